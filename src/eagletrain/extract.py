@@ -1,0 +1,215 @@
+"""Stage 2, extract: run the target over every sample and keep what EAGLE-3 trains on.
+
+Per sample: `aux` = concat of the three aux layers' outputs [T, 3H], `last` = the last
+decoder layer's output before the final norm [T, H], and the sample's token ids and loss
+mask (so a shard is self-describing). Samples are batched by length, written into
+safetensors shards, and marked done only after their shard is durable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagletrain.errors import ConfigError, InputError
+from eagletrain.ledger import ItemRow
+from eagletrain.progress import stage_progress
+from eagletrain.rundir import Run, require_previous
+from eagletrain.shards import IndexEntry, ShardReader, remove_unfinished, sample_checksum, write_shard
+from eagletrain.target import (
+    LAYER_ID_CONVENTION,
+    capture_layer_outputs,
+    default_aux_layer_ids,
+    load_target,
+    load_tokenizer,
+    pick_device,
+    resolve_target,
+    template_hash,
+    torch_dtype,
+)
+from eagletrain.verify import finalize_items_stage
+from eagletrain.worker import WorkerSession
+
+STAGE = "extract"
+DATASET_META = "dataset.json"
+
+
+def length_batches(items: list[ItemRow], batch_tokens: int) -> list[list[ItemRow]]:
+    """Group samples of similar length so padding stays small: longest first, and a batch's
+    padded size (longest x count) never exceeds batch_tokens (a longer sample goes alone)."""
+    ordered = sorted(items, key=lambda i: (-(i.tokens or 0), i.ord))
+    batches: list[list[ItemRow]] = []
+    for item in ordered:
+        if batches and (len(batches[-1]) + 1) * (batches[-1][0].tokens or 0) <= batch_tokens:
+            batches[-1].append(item)
+        else:
+            batches.append([item])
+    return batches
+
+
+class DataSamples:
+    """Token ids and loss masks of data-stage samples, read from their chunks on demand."""
+
+    def __init__(self, run: Run):
+        self.dir = run.dir / "data"
+        self.rows = {i.key: i for i in run.ledger.items("data", "done")}
+        self._readers: dict[str, ShardReader] = {}
+
+    def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.rows[key]
+        reader = self._readers.get(row.shard)
+        if reader is None:
+            reader = self._readers[row.shard] = ShardReader(self.dir / row.shard)
+        return (reader.rows("input_ids", row.offset, row.tokens),
+                reader.rows("loss_mask", row.offset, row.tokens))
+
+
+def forward_captured(
+    model: torch.nn.Module, batch_ids: list[torch.Tensor], aux_ids: list[int], device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Right-padded batched forward; per sample (aux [T, 3H], last [T, H]) on the device."""
+    last_id = model.config.num_hidden_layers - 1
+    longest = max(len(x) for x in batch_ids)
+    ids = torch.zeros(len(batch_ids), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch_ids), longest, dtype=torch.long)
+    for b, x in enumerate(batch_ids):
+        ids[b, : len(x)] = x.long()
+        mask[b, : len(x)] = 1
+    with torch.inference_mode(), capture_layer_outputs(model, [*aux_ids, last_id]) as captured:
+        model.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    out = []
+    for b, x in enumerate(batch_ids):
+        n = len(x)
+        aux = torch.cat([captured[i][b, :n] for i in aux_ids], dim=-1)
+        out.append((aux, captured[last_id][b, :n]))
+    return out
+
+
+def dataset_metadata(run: Run, model: torch.nn.Module, identity: str, tmpl: str,
+                     aux_ids: list[int]) -> dict[str, Any]:
+    cfg = model.config
+    return {
+        "target": identity,
+        "template_hash": tmpl,
+        "aux_layer_ids": aux_ids,
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "last_hidden": f"output of layer {cfg.num_hidden_layers - 1}, before the final norm",
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "store_dtype": run.config.extract.store_dtype,
+        "compute_dtype": run.config.target.dtype,
+    }
+
+
+def resolve_aux_ids(run: Run, num_layers: int) -> list[int]:
+    aux = run.config.extract.aux_layer_ids or default_aux_layer_ids(num_layers)
+    if len(aux) != 3 or any(not 0 <= i < num_layers for i in aux):
+        raise ConfigError(
+            f"extract.aux_layer_ids {aux}: need 3 layer ids in [0, {num_layers - 1}]"
+        )
+    return list(aux)
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def run_extract(run: Run, partition: tuple[int, int] = (0, 1), allow_partial: bool = False) -> None:
+    ledger, cfg = run.ledger, run.config
+    if ledger.completion(STAGE) is not None:
+        return
+    require_previous(run, STAGE, allow_partial)
+    source = resolve_target(cfg.target)
+    tmpl = template_hash(load_tokenizer(source))
+    data_detail = (ledger.stage_row("data") or {}).get("detail", {})
+    if data_detail.get("template_hash") not in (None, tmpl):
+        raise InputError(
+            f"chat template of {source.directory} (hash {tmpl}) differs from the one the data "
+            f"was tokenized with ({data_detail['template_hash']})"
+        )
+    samples = DataSamples(run)
+    data_items = ledger.items("data", "done")
+    ledger.begin_stage(STAGE, "items", len(data_items), "samples")
+    ledger.plan_items(STAGE, ((i.key, i.ord, i.split) for i in data_items))
+
+    device = pick_device(cfg.target.device)
+    model = load_target(source, cfg.target.dtype, device)
+    aux_ids = resolve_aux_ids(run, model.config.num_hidden_layers)
+    meta = dataset_metadata(run, model, source.identity, tmpl, aux_ids)
+    directory = run.dir / "hidden"
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_json(directory / DATASET_META, meta)
+    ledger.update_detail(STAGE, **meta)
+    store_dtype = torch_dtype(cfg.extract.store_dtype)
+    part = f"{partition[0]}/{partition[1]}"
+    prefix = f"shard-p{partition[0]}of{partition[1]}"
+
+    def done_count(led) -> int:
+        return led.counts(STAGE).get("done", 0)
+
+    with WorkerSession(ledger, run.dir, STAGE, part, done_counter=done_count) as worker:
+        unfinished = ledger.unfinished_shards(STAGE, part)
+        remove_unfinished(directory, unfinished)
+        ledger.forget_shards(STAGE, unfinished)
+        pending = ledger.items(STAGE, "pending", partition)
+        buffer: list[tuple[ItemRow, list[torch.Tensor]]] = []
+        failed: list[dict[str, Any]] = []
+
+        def flush() -> None:
+            if not buffer:
+                return
+            name = f"{prefix}-{buffer[0][0].ord:08d}-{uuid.uuid4().hex[:6]}.safetensors"
+            index, results, offset = [], [], 0
+            for item, tensors in buffer:
+                checksum = sample_checksum(tensors)
+                n = tensors[0].shape[0]
+                index.append(IndexEntry(item.key, offset, n, checksum))
+                results.append({"key": item.key, "state": "done", "tokens": n,
+                                "checksum": checksum, "shard": name, "offset": offset})
+                offset += n
+            stacked = {k: torch.cat([t[j] for _, t in buffer])
+                       for j, k in enumerate(("aux", "last", "input_ids", "loss_mask"))}
+            ledger.begin_shard(STAGE, name, part)
+            size = write_shard(directory / name, stacked, index, meta)
+            for r in results:
+                r["bytes"] = size * r["tokens"] // offset
+            ledger.mark_items(STAGE, worker.id, results, (name, size))
+            buffer.clear()
+
+        with stage_progress() as bar:
+            task = bar.add_task("extract", total=len(pending), unit="samples")
+            for batch in length_batches(pending, cfg.extract.batch_tokens):
+                worker.set_current(batch[0].key)
+                inputs = [samples.get(i.key) for i in batch]
+                outputs = forward_captured(model, [ids for ids, _ in inputs], aux_ids, device)
+                for item, (ids, mask), (aux, last) in zip(batch, inputs, outputs, strict=True):
+                    if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+                        failed.append({"key": item.key, "state": "failed",
+                                       "error": "non-finite hidden state (NaN/Inf)"})
+                        continue
+                    buffer.append((item, [aux.to("cpu", store_dtype), last.to("cpu", store_dtype),
+                                          ids, mask]))
+                if len(buffer) >= cfg.extract.samples_per_shard:
+                    flush()
+                if failed:
+                    ledger.mark_items(STAGE, worker.id, failed)
+                    failed.clear()
+                bar.advance(task, len(batch))
+            flush()
+        worker.sample_now()
+    finalize_items_stage(run.dir, ledger, STAGE, {"aux_layer_ids": aux_ids})
+
+
+def read_dataset_metadata(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "hidden" / DATASET_META
+    if not path.is_file():
+        raise InputError(f"{path}: no extracted dataset metadata")
+    return json.loads(path.read_text())

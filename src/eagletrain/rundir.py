@@ -1,0 +1,88 @@
+"""The run directory: its resolved config, its ledger, and the gate between stages."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagletrain.config import STAGES, Config, config_diff, dump_toml, load_config
+from eagletrain.errors import ConfigError, GateError
+from eagletrain.ledger import Ledger
+
+CONFIG_NAME = "config.toml"
+
+
+@dataclass
+class Run:
+    dir: Path
+    config: Config
+    ledger: Ledger
+
+    def path(self, *parts: str) -> Path:
+        p = self.dir.joinpath(*parts)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+
+def default_run_dir(config: Config) -> Path:
+    return Path("runs") / config.run.name
+
+
+def open_run(config: Config, run_dir: Path | None) -> Run:
+    """Create or reopen a run directory, writing the fully resolved config at start.
+
+    Reopening with a config that changes a stage already started is refused: the run
+    directory is the record of one configuration.
+    """
+    run_dir = run_dir or default_run_dir(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(run_dir, create=True)
+    config_path = run_dir / CONFIG_NAME
+    if config_path.is_file():
+        previous = load_config(config_path)
+        started = {s for s in STAGES if ledger.stage_row(s) is not None}
+        conflicts = [k for k in config_diff(previous, config) if k.split(".")[0] in started]
+        if conflicts:
+            raise ConfigError(
+                f"{config_path}: this run already started with different values for "
+                f"{', '.join(conflicts)}; use a new --run-dir"
+            )
+    tmp = config_path.with_suffix(".tmp")
+    tmp.write_text(dump_toml(config))
+    os.replace(tmp, config_path)
+    return Run(run_dir, config, ledger)
+
+
+def reopen_run(run_dir: Path) -> Run:
+    config_path = run_dir / CONFIG_NAME
+    if not config_path.is_file():
+        raise ConfigError(f"{run_dir}: not a run directory (no {CONFIG_NAME})")
+    return Run(run_dir, load_config(config_path), Ledger(run_dir, create=True))
+
+
+def previous_stage(stage: str) -> str | None:
+    i = STAGES.index(stage)
+    return STAGES[i - 1] if i else None
+
+
+def require_previous(run: Run, stage: str, allow_partial: bool) -> None:
+    """The gate: a stage starts only on its predecessor's verified completion record."""
+    prev = previous_stage(stage)
+    if prev is None or run.ledger.completion(prev) is not None:
+        return
+    counts = run.ledger.counts(prev)
+    row = run.ledger.stage_row(prev)
+    total = row["total"] if row else 0
+    done = counts.get("done", 0) if row and row["kind"] == "items" else (row or {}).get(
+        "units_done", 0
+    )
+    shortfall = f"{done} of {total} {row['unit'] if row else 'items'} present"
+    if allow_partial and row is not None:
+        run.ledger.begin_stage(stage, "items", 0, "items")
+        run.ledger.update_detail(stage, allow_partial=f"started on partial {prev}: {shortfall}")
+        return
+    raise GateError(
+        f"{stage}: refusing to start: stage {prev!r} is not verified complete ({shortfall}); "
+        f"finish it (eagletrain {prev}) or pass --allow-partial"
+    )

@@ -1,0 +1,91 @@
+"""Atomic safetensors shards holding many samples, with the per-sample index in the header.
+
+A shard is written to a temporary name, fsynced, renamed, and its directory fsynced; only
+then are its samples marked done in the ledger. The shard's name is recorded in the ledger as
+'writing' before the file is created, so a crash in between leaves a file the next run of
+the stage deletes by name (no directory listing), never a "done" row without data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+INDEX_KEY = "eagletrain.index"
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    key: str
+    offset: int
+    tokens: int
+    checksum: str
+
+
+def sample_checksum(tensors: list[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_shard(
+    path: Path, tensors: dict[str, torch.Tensor], index: list[IndexEntry], meta: dict[str, object]
+) -> int:
+    """Write atomically; returns the file size in bytes."""
+    header = {**{k: str(v) for k, v in meta.items()}, INDEX_KEY: json.dumps([e.__dict__ for e in index])}
+    blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=header)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return len(blob)
+
+
+def read_index(path: Path) -> list[IndexEntry]:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    return [IndexEntry(**e) for e in json.loads(meta[INDEX_KEY])]
+
+
+class ShardReader:
+    """Row slices of named tensors, reading only the rows asked for."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = safe_open(str(path), framework="pt")
+
+    def rows(self, name: str, offset: int, length: int) -> torch.Tensor:
+        return self._file.get_slice(name)[offset : offset + length]
+
+    def metadata(self) -> dict[str, str]:
+        return self._file.metadata() or {}
+
+    def keys(self) -> list[str]:
+        return list(self._file.keys())
+
+
+def remove_unfinished(directory: Path, names: list[str]) -> None:
+    """Delete shards that were being written when a worker died (and their temp files)."""
+    for name in names:
+        for path in directory.glob(f".{name}.tmp-*"):
+            path.unlink()
+        (directory / name).unlink(missing_ok=True)
