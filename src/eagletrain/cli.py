@@ -1,0 +1,197 @@
+"""The command line: a thin layer over the stage entry points."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eagletrain.config import STAGES, load_config
+from eagletrain.errors import EagletrainError, InputError, VerifyError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Train EAGLE-3 drafters end to end: resumable, verifiable, observable.",
+)
+
+ConfigArg = Annotated[Path, typer.Argument(help="TOML config file.")]
+RunDirOpt = Annotated[
+    Path | None, typer.Option("--run-dir", help="Run directory (default runs/<run.name>).")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a config field: key.path=value (repeatable)."),
+]
+PartialOpt = Annotated[
+    bool,
+    typer.Option("--allow-partial", help="Start even if the previous stage is incomplete "
+                 "(recorded in the ledger)."),
+]
+ShardOpt = Annotated[
+    str, typer.Option("--shard", help="Work on partition i of N (i/N, 0-based).")
+]
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import warnings
+
+    import transformers
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _fail(err: Exception, code: int) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(code)
+
+
+def _guarded(fn):
+    """Expected failures become one line on stderr and a non-zero exit, never a traceback."""
+
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except EagletrainError as err:
+            _fail(err, err.exit_code)
+        except KeyboardInterrupt:
+            _fail(Exception("interrupted; rerun the same command to resume"), 130)
+        except OSError as err:
+            if err.errno == 28:  # ENOSPC
+                _fail(Exception(f"disk full: {err.filename or ''} {err.strerror}"), 7)
+            raise
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _partition(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise InputError(f"--shard {text!r}: expected i/N, e.g. 0/4") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise InputError(f"--shard {text!r}: need 0 <= i < N")
+    return i, n
+
+
+def _open(config: Path, run_dir: Path | None, overrides: list[str] | None):
+    from eagletrain.rundir import open_run
+
+    _quiet_libraries()
+    return open_run(load_config(config, overrides or []), run_dir)
+
+
+@app.command()
+@_guarded
+def run(config: ConfigArg, run_dir: RunDirOpt = None, set_: SetOpt = None,
+        allow_partial: PartialOpt = False) -> None:
+    """Run every stage in order, resuming whatever is already done."""
+    from eagletrain.pipeline import run_all
+
+    r = _open(config, run_dir, set_)
+    typer.echo(f"run directory: {r.dir}")
+    start = time.time()
+    results = run_all(r, allow_partial)
+    ev = results["eval"]
+    typer.echo(f"export: {r.dir / 'export' / 'sglang'}")
+    typer.echo(f"pipeline finished in {time.time() - start:.0f}s; "
+               f"`eagletrain status {r.dir}` shows every stage")
+    from eagletrain.evaluate import describe
+
+    typer.echo(describe(ev))
+    typer.echo(f"tau={ev['tau']:.3f}")
+
+
+def _stage_command(stage: str, sharded: bool):
+    def command(config: ConfigArg, run_dir: RunDirOpt = None, set_: SetOpt = None,
+                allow_partial: PartialOpt = False, shard: ShardOpt = "0/1") -> None:
+        from eagletrain.pipeline import stage_runners
+
+        partition = _partition(shard)
+        if partition != (0, 1) and not sharded:
+            raise InputError(f"--shard applies to data and extract, not {stage}")
+        r = _open(config, run_dir, set_)
+        result = stage_runners(partition, allow_partial)[stage](r)
+        if stage == "export":
+            from eagletrain.export import serve_commands
+
+            typer.echo(f"export: {result}")
+            for line in serve_commands(result, r.config.target.model):
+                typer.echo(f"serve: {line}")
+        elif stage == "eval":
+            typer.echo(f"tau={result['tau']:.3f}")
+        from eagletrain.status import format_line, stage_status
+
+        typer.echo(format_line(stage_status(r.ledger, stage)))
+
+    command.__doc__ = f"Run the {stage} stage (resumes; skips if already verified complete)."
+    command.__name__ = stage
+    return _guarded(command)
+
+
+for _stage in STAGES:
+    app.command(name=_stage)(_stage_command(_stage, _stage in ("data", "extract")))
+
+
+@app.command()
+@_guarded
+def status(run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+           as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False
+           ) -> None:
+    """Per stage: running / stalled / dead / done / failed / pending, N of M, rate, ETA."""
+    from eagletrain.status import format_line, run_status
+
+    stages = run_status(run_dir)
+    if as_json:
+        typer.echo(json.dumps([s.as_dict() for s in stages], indent=2))
+        return
+    for st in stages:
+        typer.echo(format_line(st))
+
+
+@app.command()
+@_guarded
+def verify(run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+           stage: Annotated[str | None, typer.Option("--stage", help="Only this stage.")] = None,
+           quick: Annotated[bool, typer.Option("--quick", help="Skip re-hashing data.")] = False
+           ) -> None:
+    """Re-check a stage's output against the ledger; write or revoke its completion record."""
+    from eagletrain.rundir import reopen_run
+    from eagletrain.verify import SHARDED_STAGES, finalize_items_stage, verify_stage
+
+    if stage is not None and stage not in STAGES:
+        raise InputError(f"--stage {stage!r}: expected one of {', '.join(STAGES)}")
+    r = reopen_run(run_dir)
+    failures = []
+    for name in [stage] if stage else [s for s in SHARDED_STAGES]:
+        if r.ledger.stage_row(name) is None:
+            typer.echo(f"{name}: not started")
+            continue
+        report = verify_stage(r.dir, r.ledger, name, deep=not quick)
+        if report.bad:
+            r.ledger.revoke_completion(name)
+            failures.append(report.summary())
+            typer.echo(report.summary())
+            continue
+        if not report.unfinished and r.ledger.completion(name) is None:
+            finalize_items_stage(r.dir, r.ledger, name, deep=not quick)
+        typer.echo(report.summary())
+    if failures:
+        raise VerifyError(f"verification failed for {len(failures)} stage(s)")
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,222 @@
+"""The EAGLE-3 drafter: fc over three target layers, one Llama decoder layer whose attention
+reads concat(embed(token), hidden), a final norm and a head over the reduced draft vocab.
+
+Module names are the SGLang/EAGLE checkpoint's tensor names (`fc`, `midlayer.*`, `norm`,
+`lm_head`, `d2t`, `t2d`), so export is a plain state_dict. The target's token embedding is
+frozen and lives outside this module (it is not exported; engines reuse the target's).
+
+Rotary positions: the drafter's index i pairs the target feature of position i with token
+i+1 and uses rope position i; TTT step k (the k-th drafted token of a chain) uses i + k,
+as a serving engine advances positions by one per draft step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def drafter_config(
+    target: LlamaConfig,
+    draft_vocab_size: int,
+    aux_layer_ids: list[int],
+    norm_before_residual: bool = False,
+) -> LlamaConfig:
+    """The drafter's config, derived from the target's (one decoder layer, same shapes)."""
+    head_dim = getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads
+    rope = getattr(target, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(target, "rope_theta", 10000.0),
+        **(getattr(target, "rope_scaling", None) or {}),
+    }
+    return LlamaConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=head_dim,
+        hidden_act=target.hidden_act,
+        rms_norm_eps=target.rms_norm_eps,
+        max_position_embeddings=target.max_position_embeddings,
+        rope_parameters=dict(rope),
+        rope_theta=rope.get("rope_theta", 10000.0),
+        vocab_size=target.vocab_size,
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target.hidden_size,
+        eagle_aux_layer_ids=list(aux_layer_ids),
+        norm_before_residual=norm_before_residual,
+    )
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        )
+        self.q_proj = nn.Linear(2 * h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        return q, k, v
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_ttt(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: list[KV]
+    ) -> torch.Tensor:
+        """Training-time test attention. `past` holds the keys/values of earlier steps (step 0
+        first); this step's are appended. The query of step k at index i sees step 0's keys at
+        indices <= i (the target-feature prefix) and steps 1..k at index i only (its chain)."""
+        q, k, v = self._qkv(x, cos, sin)
+        past.append((k, v))
+        rep = self.num_heads // self.num_kv_heads
+        k0, v0 = repeat_kv(past[0][0], rep), repeat_kv(past[0][1], rep)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        t = x.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        prefix = (q @ k0.transpose(-1, -2)) * scale
+        prefix = prefix.masked_fill(~causal, torch.finfo(prefix.dtype).min)
+        chain_k = [repeat_kv(kj, rep) for kj, _ in past[1:]]
+        chain_v = [repeat_kv(vj, rep) for _, vj in past[1:]]
+        diag = [((q * kj).sum(-1) * scale).unsqueeze(-1) for kj in chain_k]
+        probs = torch.softmax(torch.cat([prefix, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+        out = probs[..., :t] @ v0
+        for j, vj in enumerate(chain_v):
+            out = out + probs[..., t + j : t + j + 1] * vj
+        return self._out(out)
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DraftKVCache
+    ) -> torch.Tensor:
+        """Decoding: new positions attend causally to the cache and to each other."""
+        q, k, v = self._qkv(x, cos, sin)
+        k_all, v_all = cache.append(k, v)
+        rep = self.num_heads // self.num_kv_heads
+        t, total = x.shape[1], k_all.shape[2]
+        mask = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(total - t)
+        o = F.scaled_dot_product_attention(
+            q, repeat_kv(k_all, rep), repeat_kv(v_all, rep), attn_mask=mask
+        )
+        return self._out(o)
+
+
+class DraftKVCache:
+    """The drafter's key/value cache for decoding; `crop` drops rejected draft positions."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> KV:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
+        self.input_layernorm = nn.RMSNorm(h, eps=eps)
+        self.hidden_norm = nn.RMSNorm(h, eps=eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, attend) -> torch.Tensor:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        hidden = residual + attend(self.self_attn, x)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        # target id of draft id i is i + d2t[i]; t2d marks target ids present in the draft vocab
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(cfg)
+
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids[i] = the target token id of draft token i."""
+        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids), device=draft_ids.device))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_ids(self) -> torch.Tensor:
+        return self.draft_to_target(torch.arange(len(self.d2t), device=self.d2t.device))
+
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor):
+        return self.rotary(hidden, positions)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def step_ttt(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, past: list[KV]
+    ) -> torch.Tensor:
+        cos, sin = self.rope(hidden, positions)
+        return self.midlayer(hidden, embeds, lambda attn, x: attn.forward_ttt(x, cos, sin, past))
+
+    def step_cached(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+        cache: DraftKVCache,
+    ) -> torch.Tensor:
+        cos, sin = self.rope(hidden, positions)
+        return self.midlayer(
+            hidden, embeds, lambda attn, x: attn.forward_cached(x, cos, sin, cache)
+        )

@@ -1,0 +1,126 @@
+"""Stage 4b, eval: speculative decoding with the *exported* drafter against the target.
+
+Export bugs therefore show up here as a low tau. Greedy speculative output must equal
+plain greedy decoding token for token; any difference fails the stage.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagletrain.embedded import embedded_file, is_embedded
+from eagletrain.errors import InputError, VerifyError
+from eagletrain.export import SGLANG_DIR, load_exported
+from eagletrain.progress import stage_progress
+from eagletrain.rundir import Run, require_previous
+from eagletrain.speculative import (
+    greedy_decode,
+    per_position_acceptance,
+    pooled_tau,
+    speculative_greedy,
+)
+from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
+
+STAGE = "eval"
+
+
+def load_prompts(dataset: str, limit: int) -> list[tuple[str, str]]:
+    """(id, first user turn) pairs from MT-bench, HumanEval, or a JSONL with `prompt`/`turns`."""
+    path = embedded_file(dataset) if is_embedded(dataset) else Path(dataset)
+    if not path.is_file():
+        raise InputError(f"{path}: prompts file not found")
+    opener = gzip.open if path.suffix == ".gz" else open
+    prompts = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+            text = obj.get("turns", [None])[0] if "turns" in obj else obj.get("prompt")
+            if not isinstance(text, str):
+                raise InputError(f"{path}:{lineno}: no prompt text (`turns` or `prompt`)")
+            prompts.append((str(obj.get("question_id", obj.get("task_id", lineno))), text))
+            if len(prompts) >= limit:
+                break
+    return prompts
+
+
+def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
+    ledger, cfg = run.ledger, run.config
+    done = ledger.completion(STAGE)
+    if done is not None:
+        return done["detail"]
+    require_previous(run, STAGE, allow_partial)
+    ec = cfg.eval
+    device = pick_device(ec.device)
+    source = resolve_target(cfg.target)
+    tokenizer = load_tokenizer(source)
+    model = load_target(source, cfg.target.dtype, device)
+    drafter = load_exported(run.dir / "export" / SGLANG_DIR).to(device, model.dtype).eval()
+    embed = model.get_input_embeddings()
+    eos = {int(model.config.eos_token_id)} if isinstance(model.config.eos_token_id, int) else set(
+        model.config.eos_token_id or []
+    )
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    prompts = load_prompts(ec.dataset, ec.num_prompts)
+    ledger.begin_stage(STAGE, "units", len(prompts), "prompts")
+    accepted: list[int] = []
+    plain_s = spec_s = 0.0
+    per_prompt = []
+    mismatches = []
+    with stage_progress() as bar:
+        task = bar.add_task("eval", total=len(prompts), unit="prompts")
+        for i, (pid, text) in enumerate(prompts):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=False)
+            prompt = tokenizer(ids, add_special_tokens=False)["input_ids"]
+            plain = greedy_decode(model, prompt, ec.max_new_tokens, eos)
+            spec = speculative_greedy(model, drafter, embed, prompt, ec.max_new_tokens,
+                                      ec.draft_steps, eos)
+            if plain.tokens != spec.tokens:
+                mismatches.append(pid)
+            accepted += spec.accepted_per_cycle
+            plain_s += plain.seconds
+            spec_s += spec.seconds
+            per_prompt.append({"id": pid, "tokens": len(spec.tokens),
+                               "tau": pooled_tau(spec.accepted_per_cycle),
+                               "plain_s": plain.seconds, "spec_s": spec.seconds})
+            ledger.set_units_done(STAGE, i + 1)
+            bar.advance(task)
+    if mismatches:
+        raise VerifyError(f"eval: speculative output differs from plain greedy on prompts "
+                          f"{mismatches} (not lossless)")
+    results = {
+        "dataset": ec.dataset, "prompts": len(prompts), "draft_steps": ec.draft_steps,
+        "temperature": 0.0, "cycles": len(accepted),
+        "tau": pooled_tau(accepted),
+        "per_position_acceptance": per_position_acceptance(accepted, ec.draft_steps),
+        "plain_seconds": plain_s, "speculative_seconds": spec_s,
+        "speedup": plain_s / spec_s if spec_s else None,
+        "device": str(device), "lossless": True, "per_prompt": per_prompt,
+    }
+    out = run.path("eval", "results.json")
+    out.write_text(json.dumps(results, indent=2))
+    summary = {k: v for k, v in results.items() if k != "per_prompt"}
+    ledger.complete(STAGE, len(prompts), sum(p["tokens"] for p in per_prompt), "", allow_partial,
+                    summary)
+    return summary
+
+
+def describe(results: dict[str, Any]) -> str:
+    ppa = ", ".join(f"{a:.2f}" for a in results["per_position_acceptance"])
+    return (f"eval: {results['prompts']} {results['dataset']} prompts, chain {results['draft_steps']}"
+            f", greedy, lossless; per-position acceptance [{ppa}]; "
+            f"speedup {results['speedup']:.2f}x on {results['device']}")
+
+
+__all__ = ["describe", "load_prompts", "run_eval", "torch"]

@@ -1,0 +1,218 @@
+"""Stage 3, train: the EAGLE-3 drafter on the extracted dataset, with training-time test.
+
+The loop is plain PyTorch: draft vocab, drafter, AdamW with warmup + cosine decay, TTT loss
+per batch, metrics per TTT step to train/metrics.jsonl, progress (steps) in the ledger, a
+held-out evaluation (simulated acceptance length) and a safetensors checkpoint at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from eagletrain.draft_vocab import load_or_build
+from eagletrain.drafter import Eagle3Drafter, drafter_config
+from eagletrain.errors import ConfigError, InputError
+from eagletrain.extract import read_dataset_metadata
+from eagletrain.hidden_dataset import HiddenSamples
+from eagletrain.progress import stage_progress
+from eagletrain.rundir import Run, require_previous
+from eagletrain.target import load_target, pick_device, resolve_target
+from eagletrain.ttt import TargetHead, simulated_acceptance_length, step_weights, ttt_forward
+from eagletrain.worker import WorkerSession
+
+STAGE = "train"
+CHECKPOINT = "checkpoint"
+
+
+def check_dataset(run: Run, meta: dict[str, Any]) -> None:
+    """The data gate's second half: the dataset must be the one this config describes."""
+    wanted = run.config.extract.aux_layer_ids
+    if wanted is not None and list(wanted) != meta["aux_layer_ids"]:
+        raise ConfigError(
+            f"extract.aux_layer_ids {wanted} but the dataset was extracted with "
+            f"{meta['aux_layer_ids']} ({meta['layer_id_convention']})"
+        )
+    data_tmpl = (run.ledger.stage_row("data") or {}).get("detail", {}).get("template_hash")
+    if data_tmpl is not None and data_tmpl != meta["template_hash"]:
+        raise InputError(
+            f"dataset template hash {meta['template_hash']} != data stage's {data_tmpl}"
+        )
+
+
+def frozen_target_parts(run: Run) -> tuple[Any, torch.nn.Embedding, TargetHead]:
+    """The target's config, token embedding, final norm and lm_head (all frozen)."""
+    target = load_target(resolve_target(run.config.target), "float32", torch.device("cpu"))
+    config = target.config
+    embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach())
+    head = TargetHead(
+        target.model.norm.weight.detach().clone(),
+        config.rms_norm_eps,
+        target.get_output_embeddings().weight.detach().clone(),
+    )
+    del target
+    return config, embed, head
+
+
+def lr_lambda(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def evaluate_heldout(
+    drafter: Eagle3Drafter, embed: torch.nn.Embedding, head: TargetHead, data: HiddenSamples,
+    steps: int, weights: list[float], device: torch.device, batch_size: int,
+) -> dict[str, Any]:
+    drafter.eval()
+    totals: dict[str, Any] = {"loss": 0.0, "acc": [0.0] * steps, "cond_acc": [0.0] * steps}
+    accepted_sum, counted_sum, batches = 0.0, 0, 0
+    with torch.no_grad():
+        for s in range(0, len(data), batch_size):
+            batch = data.batch(list(range(s, min(s + batch_size, len(data))))).to(
+                device, torch.float32
+            )
+            p, in_vocab = head.distribution(batch.last, drafter.target_ids(), drafter.t2d)
+            r = ttt_forward(drafter, embed, batch.aux, batch.input_ids, batch.loss_mask, p,
+                            in_vocab, steps, weights)
+            totals["loss"] += float(r.loss)
+            for k in range(steps):
+                totals["acc"][k] += r.step_acc[k]
+                totals["cond_acc"][k] += r.step_cond_acc[k]
+            accepted_sum += float((r.accepted * r.counted).sum())
+            counted_sum += int(r.counted.sum())
+            batches += 1
+    drafter.train()
+    n = max(batches, 1)
+    return {
+        "heldout_loss": totals["loss"] / n,
+        "heldout_acc": [a / n for a in totals["acc"]],
+        "heldout_cond_acc": [a / n for a in totals["cond_acc"]],
+        "simulated_acceptance_length": 1.0 + accepted_sum / max(counted_sum, 1),
+        "heldout_samples": len(data),
+    }
+
+
+def save_checkpoint(directory: Path, drafter: Eagle3Drafter, extra: dict[str, Any]) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    tmp = directory / "model.safetensors.tmp"
+    save_file(state, tmp)
+    tmp.replace(directory / "model.safetensors")
+    config = drafter.config.to_dict()
+    (directory / "drafter_config.json").write_text(json.dumps(config, indent=2))
+    (directory / "train_summary.json").write_text(json.dumps(extra, indent=2))
+    return hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()[:32]
+
+
+def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
+    ledger, cfg = run.ledger, run.config
+    if ledger.completion(STAGE) is not None:
+        return None
+    require_previous(run, STAGE, allow_partial)
+    meta = read_dataset_metadata(run.dir)
+    check_dataset(run, meta)
+    tc = cfg.train
+    torch.manual_seed(cfg.run.seed)
+    device = pick_device(tc.device)
+    items = ledger.items("extract", "done")
+    train_items = [i for i in items if i.split != "heldout"]
+    heldout_items = [i for i in items if i.split == "heldout"]
+    if not train_items:
+        raise InputError("train: the extracted dataset has no training samples")
+    hidden_dir = run.dir / "hidden"
+    train_data = HiddenSamples(hidden_dir, train_items)
+    heldout = HiddenSamples(hidden_dir, heldout_items)
+
+    target_config, embed, head = frozen_target_parts(run)
+    digest = (ledger.completion("extract") or {}).get("digest", "partial")
+
+    def masked_tokens():
+        for i in range(len(train_data)):
+            ids = train_data.tensor(i, "input_ids")
+            yield ids[train_data.tensor(i, "loss_mask").bool()]
+
+    draft_ids = load_or_build(run.dir / "train", digest, tc.draft_vocab_size, meta["target"],
+                              masked_tokens, target_config.vocab_size)
+    dcfg = drafter_config(target_config, tc.draft_vocab_size, meta["aux_layer_ids"],
+                          tc.norm_before_residual)
+    drafter = Eagle3Drafter(dcfg)
+    drafter.set_draft_vocab(draft_ids)
+    drafter.to(device)
+    embed.to(device)
+    head = TargetHead(head.norm_weight.to(device), head.norm_eps, head.lm_head.to(device))
+    draft_ids = draft_ids.to(device)
+
+    steps_per_epoch = math.ceil(len(train_data) / tc.batch_size)
+    total_steps = steps_per_epoch * tc.epochs
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lr_lambda(tc.warmup_steps, total_steps))
+    weights = step_weights(tc.ttt_steps, tc.step_weight_decay)
+    ledger.begin_stage(STAGE, "units", total_steps, "steps")
+    ledger.set_units_done(STAGE, 0)
+    metrics_path = run.path("train", "metrics.jsonl")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    rng = random.Random(cfg.run.seed)
+    step = 0
+
+    def done_steps(led) -> int:
+        return (led.stage_row(STAGE) or {}).get("units_done", 0)
+
+    with WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_steps) as worker, \
+            metrics_path.open("a") as metrics, stage_progress() as bar:
+        task = bar.add_task("train", total=total_steps, unit="steps")
+        start = time.time()
+        for epoch in range(tc.epochs):
+            order = list(range(len(train_data)))
+            rng.shuffle(order)
+            for s in range(0, len(order), tc.batch_size):
+                batch = train_data.batch(order[s : s + tc.batch_size]).to(device, torch.float32)
+                with torch.no_grad():
+                    p, in_vocab = head.distribution(batch.last, draft_ids, drafter.t2d)
+                with autocast:
+                    r = ttt_forward(drafter, embed, batch.aux, batch.input_ids, batch.loss_mask,
+                                    p, in_vocab, tc.ttt_steps, weights)
+                optimizer.zero_grad(set_to_none=True)
+                r.loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                record = {
+                    "step": step, "epoch": epoch, "time": time.time() - start,
+                    "loss": float(r.loss), "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm), "tokens": int(batch.loss_mask.sum()),
+                    **{f"loss_{k}": v for k, v in enumerate(r.step_loss)},
+                    **{f"acc_{k}": v for k, v in enumerate(r.step_acc)},
+                    **{f"cond_acc_{k}": v for k, v in enumerate(r.step_cond_acc)},
+                }
+                metrics.write(json.dumps(record) + "\n")
+                ledger.set_units_done(STAGE, step)
+                ledger.conn.execute("UPDATE workers SET progress_at=? WHERE id=?",
+                                    (time.time(), worker.id))
+                bar.advance(task)
+        metrics.flush()
+        evaluation = evaluate_heldout(drafter, embed, head, heldout or train_data,
+                                      tc.ttt_steps, weights, device, tc.batch_size)
+        evaluation["heldout_split"] = "heldout" if len(heldout) else "train (no heldout)"
+        metrics.write(json.dumps({"step": step, "eval": evaluation}) + "\n")
+        checksum = save_checkpoint(run.dir / "train" / CHECKPOINT, drafter,
+                                   {"steps": step, **evaluation})
+        worker.sample_now()
+    ledger.complete(STAGE, len(train_data), sum(i.tokens or 0 for i in train_items), checksum,
+                    allow_partial, evaluation)
+    return evaluation
