@@ -31,12 +31,12 @@ SetOpt = Annotated[
 ]
 PartialOpt = Annotated[
     bool,
-    typer.Option("--allow-partial", help="Start even if the previous stage is incomplete "
-                 "(recorded in the ledger)."),
+    typer.Option(
+        "--allow-partial",
+        help="Start even if the previous stage is incomplete (recorded in the ledger).",
+    ),
 ]
-ShardOpt = Annotated[
-    str, typer.Option("--shard", help="Work on partition i of N (i/N, 0-based).")
-]
+ShardOpt = Annotated[str, typer.Option("--shard", help="Work on partition i of N (i/N, 0-based).")]
 
 
 def _quiet_libraries() -> None:
@@ -96,8 +96,12 @@ def _open(config: Path, run_dir: Path | None, overrides: list[str] | None):
 
 @app.command()
 @_guarded
-def run(config: ConfigArg, run_dir: RunDirOpt = None, set_: SetOpt = None,
-        allow_partial: PartialOpt = False) -> None:
+def run(
+    config: ConfigArg,
+    run_dir: RunDirOpt = None,
+    set_: SetOpt = None,
+    allow_partial: PartialOpt = False,
+) -> None:
     """Run every stage in order, resuming whatever is already done."""
     from eagletrain.pipeline import run_all
 
@@ -107,8 +111,10 @@ def run(config: ConfigArg, run_dir: RunDirOpt = None, set_: SetOpt = None,
     results = run_all(r, allow_partial)
     ev = results["eval"]
     typer.echo(f"export: {r.dir / 'export' / 'sglang'}")
-    typer.echo(f"pipeline finished in {time.time() - start:.0f}s; "
-               f"`eagletrain status {r.dir}` shows every stage")
+    typer.echo(
+        f"pipeline finished in {time.time() - start:.0f}s; "
+        f"`eagletrain status {r.dir}` shows every stage"
+    )
     from eagletrain.evaluate import describe
 
     typer.echo(describe(ev))
@@ -116,8 +122,13 @@ def run(config: ConfigArg, run_dir: RunDirOpt = None, set_: SetOpt = None,
 
 
 def _stage_command(stage: str, sharded: bool):
-    def command(config: ConfigArg, run_dir: RunDirOpt = None, set_: SetOpt = None,
-                allow_partial: PartialOpt = False, shard: ShardOpt = "0/1") -> None:
+    def command(
+        config: ConfigArg,
+        run_dir: RunDirOpt = None,
+        set_: SetOpt = None,
+        allow_partial: PartialOpt = False,
+        shard: ShardOpt = "0/1",
+    ) -> None:
         from eagletrain.pipeline import stage_runners
 
         partition = _partition(shard)
@@ -148,9 +159,10 @@ for _stage in STAGES:
 
 @app.command()
 @_guarded
-def status(run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
-           as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False
-           ) -> None:
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False,
+) -> None:
     """Per stage: running / stalled / dead / done / failed / pending, N of M, rate, ETA."""
     from eagletrain.status import format_line, run_status
 
@@ -164,10 +176,11 @@ def status(run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
 
 @app.command()
 @_guarded
-def verify(run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
-           stage: Annotated[str | None, typer.Option("--stage", help="Only this stage.")] = None,
-           quick: Annotated[bool, typer.Option("--quick", help="Skip re-hashing data.")] = False
-           ) -> None:
+def verify(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    stage: Annotated[str | None, typer.Option("--stage", help="Only this stage.")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Skip re-hashing data.")] = False,
+) -> None:
     """Re-check a stage's output against the ledger; write or revoke its completion record."""
     from eagletrain.rundir import reopen_run
     from eagletrain.verify import SHARDED_STAGES, finalize_items_stage, verify_stage
@@ -184,7 +197,7 @@ def verify(run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
         if report.bad:
             r.ledger.revoke_completion(name)
             failures.append(report.summary())
-            typer.echo(report.summary())
+            typer.echo("\n".join(report.lines()))
             continue
         if not report.unfinished and r.ledger.completion(name) is None:
             finalize_items_stage(r.dir, r.ledger, name, deep=not quick)

@@ -21,9 +21,14 @@ from eagletrain.errors import InputError
 Message = dict[str, str]
 
 _ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant", "bard": "assistant",
-    "bing": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
     "system": "system",
 }
 
@@ -96,7 +101,11 @@ def _array_objects(path: Path, text: str) -> Iterator[tuple[str, Any, str | None
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
         if pos >= len(text):
-            yield f"{path.name}:{text.count(chr(10), 0, pos) + 1}", None, "file ends inside the array"
+            yield (
+                f"{path.name}:{text.count(chr(10), 0, pos) + 1}",
+                None,
+                "file ends inside the array",
+            )
             return
         if text[pos] == "]":
             return

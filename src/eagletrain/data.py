@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import random
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagletrain.chat_tokenize import tokenize_conversation
 from eagletrain.conversations import Record, read_records
+from eagletrain.faults import inject_delay
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run
 from eagletrain.shards import IndexEntry, remove_unfinished, sample_checksum, write_shard
@@ -60,8 +60,15 @@ def _tokenize(
             return {"key": record.key, "state": "skipped", "error": "over max_length"}, None, None
         ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
     if int(mask.sum()) == 0:
-        return {"key": record.key, "state": "skipped",
-                "error": "no assistant tokens within max_length"}, None, None
+        return (
+            {
+                "key": record.key,
+                "state": "skipped",
+                "error": "no assistant tokens within max_length",
+            },
+            None,
+            None,
+        )
     return {"key": record.key, "state": "done", "tokens": len(ids)}, ids, mask
 
 
@@ -131,12 +138,6 @@ def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:
                             r["shard"] = name
                 ledger.mark_items(STAGE, worker.id, results, shard)
                 bar.advance(task, len(chunk))
+                inject_delay("data")
         worker.sample_now()
     finalize_items_stage(run.dir, ledger, STAGE, metadata)
-
-
-def read_sample(run_dir: Path, shard: str, offset: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from eagletrain.shards import ShardReader
-
-    reader = ShardReader(run_dir / "data" / shard)
-    return reader.rows("input_ids", offset, tokens), reader.rows("loss_mask", offset, tokens)

@@ -37,8 +37,12 @@ def build_draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def load_or_build(
-    cache_dir: Path, dataset_digest: str, size: int, target_identity: str,
-    count_tokens, vocab_size: int,
+    cache_dir: Path,
+    dataset_digest: str,
+    size: int,
+    target_identity: str,
+    count_tokens,
+    vocab_size: int,
 ) -> torch.Tensor:
     path = cache_dir / cache_name(dataset_digest, size, target_identity)
     if path.is_file():

@@ -66,7 +66,9 @@ class Eagle3Attention(nn.Module):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, hd
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
         )
         self.q_proj = nn.Linear(2 * h, self.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
@@ -213,7 +215,10 @@ class Eagle3Drafter(nn.Module):
         return self.midlayer(hidden, embeds, lambda attn, x: attn.forward_ttt(x, cos, sin, past))
 
     def step_cached(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
         cache: DraftKVCache,
     ) -> torch.Tensor:
         cos, sin = self.rope(hidden, positions)

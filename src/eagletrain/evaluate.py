@@ -11,14 +11,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from eagletrain.embedded import embedded_file, is_embedded
 from eagletrain.errors import InputError, VerifyError
 from eagletrain.export import SGLANG_DIR, load_exported
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
 from eagletrain.speculative import (
+    EagleProposer,
+    PromptLookupProposer,
     greedy_decode,
     per_position_acceptance,
     pooled_tau,
@@ -66,61 +66,85 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
     model = load_target(source, cfg.target.dtype, device)
     drafter = load_exported(run.dir / "export" / SGLANG_DIR).to(device, model.dtype).eval()
     embed = model.get_input_embeddings()
-    eos = {int(model.config.eos_token_id)} if isinstance(model.config.eos_token_id, int) else set(
-        model.config.eos_token_id or []
+    eos = (
+        {int(model.config.eos_token_id)}
+        if isinstance(model.config.eos_token_id, int)
+        else set(model.config.eos_token_id or [])
     )
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     prompts = load_prompts(ec.dataset, ec.num_prompts)
     ledger.begin_stage(STAGE, "units", len(prompts), "prompts")
+    eagle = EagleProposer(drafter, embed)
     accepted: list[int] = []
+    lookup_accepted: list[int] = []
     plain_s = spec_s = 0.0
     per_prompt = []
     mismatches = []
     with stage_progress() as bar:
         task = bar.add_task("eval", total=len(prompts), unit="prompts")
         for i, (pid, text) in enumerate(prompts):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=False)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
             prompt = tokenizer(ids, add_special_tokens=False)["input_ids"]
             plain = greedy_decode(model, prompt, ec.max_new_tokens, eos)
-            spec = speculative_greedy(model, drafter, embed, prompt, ec.max_new_tokens,
-                                      ec.draft_steps, eos)
-            if plain.tokens != spec.tokens:
+            spec = speculative_greedy(model, eagle, prompt, ec.max_new_tokens, ec.draft_steps, eos)
+            lookup = speculative_greedy(
+                model, PromptLookupProposer(), prompt, ec.max_new_tokens, ec.draft_steps, eos
+            )
+            if plain.tokens != spec.tokens or plain.tokens != lookup.tokens:
                 mismatches.append(pid)
+            lookup_accepted += lookup.accepted_per_cycle
             accepted += spec.accepted_per_cycle
             plain_s += plain.seconds
             spec_s += spec.seconds
-            per_prompt.append({"id": pid, "tokens": len(spec.tokens),
-                               "tau": pooled_tau(spec.accepted_per_cycle),
-                               "plain_s": plain.seconds, "spec_s": spec.seconds})
+            per_prompt.append(
+                {
+                    "id": pid,
+                    "tokens": len(spec.tokens),
+                    "tau": pooled_tau(spec.accepted_per_cycle),
+                    "plain_s": plain.seconds,
+                    "spec_s": spec.seconds,
+                }
+            )
             ledger.set_units_done(STAGE, i + 1)
             bar.advance(task)
     if mismatches:
-        raise VerifyError(f"eval: speculative output differs from plain greedy on prompts "
-                          f"{mismatches} (not lossless)")
+        raise VerifyError(
+            f"eval: speculative output differs from plain greedy on prompts "
+            f"{mismatches} (not lossless)"
+        )
     results = {
-        "dataset": ec.dataset, "prompts": len(prompts), "draft_steps": ec.draft_steps,
-        "temperature": 0.0, "cycles": len(accepted),
+        "dataset": ec.dataset,
+        "prompts": len(prompts),
+        "draft_steps": ec.draft_steps,
+        "temperature": 0.0,
+        "cycles": len(accepted),
         "tau": pooled_tau(accepted),
         "per_position_acceptance": per_position_acceptance(accepted, ec.draft_steps),
-        "plain_seconds": plain_s, "speculative_seconds": spec_s,
+        "prompt_lookup_tau": pooled_tau(lookup_accepted),
+        "plain_seconds": plain_s,
+        "speculative_seconds": spec_s,
         "speedup": plain_s / spec_s if spec_s else None,
-        "device": str(device), "lossless": True, "per_prompt": per_prompt,
+        "device": str(device),
+        "lossless": True,
+        "per_prompt": per_prompt,
     }
     out = run.path("eval", "results.json")
     out.write_text(json.dumps(results, indent=2))
     summary = {k: v for k, v in results.items() if k != "per_prompt"}
-    ledger.complete(STAGE, len(prompts), sum(p["tokens"] for p in per_prompt), "", allow_partial,
-                    summary)
+    ledger.complete(
+        STAGE, len(prompts), sum(p["tokens"] for p in per_prompt), "", allow_partial, summary
+    )
     return summary
 
 
 def describe(results: dict[str, Any]) -> str:
     ppa = ", ".join(f"{a:.2f}" for a in results["per_position_acceptance"])
-    return (f"eval: {results['prompts']} {results['dataset']} prompts, chain {results['draft_steps']}"
-            f", greedy, lossless; per-position acceptance [{ppa}]; "
-            f"speedup {results['speedup']:.2f}x on {results['device']}")
-
-
-__all__ = ["describe", "load_prompts", "run_eval", "torch"]
+    return (
+        f"eval: {results['prompts']} {results['dataset']} prompts, chain {results['draft_steps']}"
+        f", greedy, lossless; per-position acceptance [{ppa}]; prompt-lookup tau "
+        f"{results['prompt_lookup_tau']:.3f}; "
+        f"speedup {results['speedup']:.2f}x on {results['device']}"
+    )

@@ -84,8 +84,10 @@ def load_exported(directory: Path) -> Eagle3Drafter:
         )
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise ExportError(f"{weights_path}: {name} has shape {tuple(tensor.shape)}, "
-                              f"config implies {tuple(expected[name].shape)}")
+            raise ExportError(
+                f"{weights_path}: {name} has shape {tuple(tensor.shape)}, "
+                f"config implies {tuple(expected[name].shape)}"
+            )
     drafter.load_state_dict(state, strict=True)
     return drafter
 
@@ -127,6 +129,5 @@ def run_export(run: Run, allow_partial: bool = False) -> Path:
     os.replace(tmp, out_dir)
     digest = hashlib.sha256((out_dir / "model.safetensors").read_bytes()).hexdigest()[:32]
     ledger.set_units_done(STAGE, 1)
-    ledger.complete(STAGE, 1, 0, digest, allow_partial,
-                    {"format": "sglang", "path": str(out_dir)})
+    ledger.complete(STAGE, 1, 0, digest, allow_partial, {"format": "sglang", "path": str(out_dir)})
     return out_dir

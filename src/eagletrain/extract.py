@@ -17,10 +17,17 @@ from typing import Any
 import torch
 
 from eagletrain.errors import ConfigError, InputError
+from eagletrain.faults import inject_delay
 from eagletrain.ledger import ItemRow
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
-from eagletrain.shards import IndexEntry, ShardReader, remove_unfinished, sample_checksum, write_shard
+from eagletrain.shards import (
+    IndexEntry,
+    ShardReader,
+    remove_unfinished,
+    sample_checksum,
+    write_shard,
+)
 from eagletrain.target import (
     LAYER_ID_CONVENTION,
     capture_layer_outputs,
@@ -39,13 +46,15 @@ STAGE = "extract"
 DATASET_META = "dataset.json"
 
 
-def length_batches(items: list[ItemRow], batch_tokens: int) -> list[list[ItemRow]]:
+def length_batches(
+    items: list[ItemRow], lengths: dict[str, int], batch_tokens: int
+) -> list[list[ItemRow]]:
     """Group samples of similar length so padding stays small: longest first, and a batch's
     padded size (longest x count) never exceeds batch_tokens (a longer sample goes alone)."""
-    ordered = sorted(items, key=lambda i: (-(i.tokens or 0), i.ord))
+    ordered = sorted(items, key=lambda i: (-lengths[i.key], i.ord))
     batches: list[list[ItemRow]] = []
     for item in ordered:
-        if batches and (len(batches[-1]) + 1) * (batches[-1][0].tokens or 0) <= batch_tokens:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0].key] <= batch_tokens:
             batches[-1].append(item)
         else:
             batches.append([item])
@@ -65,8 +74,10 @@ class DataSamples:
         reader = self._readers.get(row.shard)
         if reader is None:
             reader = self._readers[row.shard] = ShardReader(self.dir / row.shard)
-        return (reader.rows("input_ids", row.offset, row.tokens),
-                reader.rows("loss_mask", row.offset, row.tokens))
+        return (
+            reader.rows("input_ids", row.offset, row.tokens),
+            reader.rows("loss_mask", row.offset, row.tokens),
+        )
 
 
 def forward_captured(
@@ -90,8 +101,9 @@ def forward_captured(
     return out
 
 
-def dataset_metadata(run: Run, model: torch.nn.Module, identity: str, tmpl: str,
-                     aux_ids: list[int]) -> dict[str, Any]:
+def dataset_metadata(
+    run: Run, model: torch.nn.Module, identity: str, tmpl: str, aux_ids: list[int]
+) -> dict[str, Any]:
     cfg = model.config
     return {
         "target": identity,
@@ -110,9 +122,7 @@ def dataset_metadata(run: Run, model: torch.nn.Module, identity: str, tmpl: str,
 def resolve_aux_ids(run: Run, num_layers: int) -> list[int]:
     aux = run.config.extract.aux_layer_ids or default_aux_layer_ids(num_layers)
     if len(aux) != 3 or any(not 0 <= i < num_layers for i in aux):
-        raise ConfigError(
-            f"extract.aux_layer_ids {aux}: need 3 layer ids in [0, {num_layers - 1}]"
-        )
+        raise ConfigError(f"extract.aux_layer_ids {aux}: need 3 layer ids in [0, {num_layers - 1}]")
     return list(aux)
 
 
@@ -172,11 +182,21 @@ def run_extract(run: Run, partition: tuple[int, int] = (0, 1), allow_partial: bo
                 checksum = sample_checksum(tensors)
                 n = tensors[0].shape[0]
                 index.append(IndexEntry(item.key, offset, n, checksum))
-                results.append({"key": item.key, "state": "done", "tokens": n,
-                                "checksum": checksum, "shard": name, "offset": offset})
+                results.append(
+                    {
+                        "key": item.key,
+                        "state": "done",
+                        "tokens": n,
+                        "checksum": checksum,
+                        "shard": name,
+                        "offset": offset,
+                    }
+                )
                 offset += n
-            stacked = {k: torch.cat([t[j] for _, t in buffer])
-                       for j, k in enumerate(("aux", "last", "input_ids", "loss_mask"))}
+            stacked = {
+                k: torch.cat([t[j] for _, t in buffer])
+                for j, k in enumerate(("aux", "last", "input_ids", "loss_mask"))
+            }
             ledger.begin_shard(STAGE, name, part)
             size = write_shard(directory / name, stacked, index, meta)
             for r in results:
@@ -186,23 +206,31 @@ def run_extract(run: Run, partition: tuple[int, int] = (0, 1), allow_partial: bo
 
         with stage_progress() as bar:
             task = bar.add_task("extract", total=len(pending), unit="samples")
-            for batch in length_batches(pending, cfg.extract.batch_tokens):
+            lengths = {key: row.tokens for key, row in samples.rows.items()}
+            for batch in length_batches(pending, lengths, cfg.extract.batch_tokens):
                 worker.set_current(batch[0].key)
                 inputs = [samples.get(i.key) for i in batch]
                 outputs = forward_captured(model, [ids for ids, _ in inputs], aux_ids, device)
                 for item, (ids, mask), (aux, last) in zip(batch, inputs, outputs, strict=True):
                     if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
-                        failed.append({"key": item.key, "state": "failed",
-                                       "error": "non-finite hidden state (NaN/Inf)"})
+                        failed.append(
+                            {
+                                "key": item.key,
+                                "state": "failed",
+                                "error": "non-finite hidden state (NaN/Inf)",
+                            }
+                        )
                         continue
-                    buffer.append((item, [aux.to("cpu", store_dtype), last.to("cpu", store_dtype),
-                                          ids, mask]))
+                    buffer.append(
+                        (item, [aux.to("cpu", store_dtype), last.to("cpu", store_dtype), ids, mask])
+                    )
                 if len(buffer) >= cfg.extract.samples_per_shard:
                     flush()
                 if failed:
                     ledger.mark_items(STAGE, worker.id, failed)
                     failed.clear()
                 bar.advance(task, len(batch))
+                inject_delay("extract")
             flush()
         worker.sample_now()
     finalize_items_stage(run.dir, ledger, STAGE, {"aux_layer_ids": aux_ids})

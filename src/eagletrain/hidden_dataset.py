@@ -19,8 +19,12 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] bool, False on padding
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
-        return Batch(self.aux.to(device, dtype), self.last.to(device, dtype),
-                     self.input_ids.to(device), self.loss_mask.to(device))
+        return Batch(
+            self.aux.to(device, dtype),
+            self.last.to(device, dtype),
+            self.input_ids.to(device),
+            self.loss_mask.to(device),
+        )
 
     @property
     def tokens(self) -> int:
@@ -48,8 +52,9 @@ class HiddenSamples:
         return self._reader(item.shard).rows(name, item.offset, item.tokens)
 
     def batch(self, indices: list[int]) -> Batch:
-        rows = [[self.tensor(i, n) for n in ("aux", "last", "input_ids", "loss_mask")]
-                for i in indices]
+        rows = [
+            [self.tensor(i, n) for n in ("aux", "last", "input_ids", "loss_mask")] for i in indices
+        ]
         longest = max(r[2].shape[0] for r in rows)
         b = len(rows)
         aux = torch.zeros(b, longest, rows[0][0].shape[1], dtype=rows[0][0].dtype)

@@ -268,9 +268,16 @@ class Ledger:
                 "worker=:worker, finished_at=:now WHERE stage=:stage AND key=:key",
                 [
                     {
-                        "error": None, "checksum": None, "tokens": None, "bytes": None,
-                        "shard": None, "offset": None,
-                        **r, "stage": stage, "worker": worker, "now": now,
+                        "error": None,
+                        "checksum": None,
+                        "tokens": None,
+                        "bytes": None,
+                        "shard": None,
+                        "offset": None,
+                        **r,
+                        "stage": stage,
+                        "worker": worker,
+                        "now": now,
                     }
                     for r in results
                 ],
@@ -322,14 +329,18 @@ class Ledger:
 
     # ---- completion records -------------------------------------------------------------
     def complete(
-        self, stage: str, items: int, tokens: int, digest: str, allow_partial: bool,
+        self,
+        stage: str,
+        items: int,
+        tokens: int,
+        digest: str,
+        allow_partial: bool,
         detail: dict[str, Any],
     ) -> None:
         with self.transaction() as c:
             c.execute(
                 "INSERT OR REPLACE INTO completions VALUES(?,?,?,?,?,?,?)",
-                (stage, time.time(), items, tokens, digest, int(allow_partial),
-                 json.dumps(detail)),
+                (stage, time.time(), items, tokens, digest, int(allow_partial), json.dumps(detail)),
             )
             c.execute("UPDATE stages SET finished_at=? WHERE stage=?", (time.time(), stage))
 
@@ -357,6 +368,18 @@ class Ledger:
             "ORDER BY started_at",
             (stage,),
         )
-        keys = ("id", "partition", "pid", "pid_start", "host", "started_at", "heartbeat_at",
-                "progress_at", "current", "state", "error", "ended_at")
+        keys = (
+            "id",
+            "partition",
+            "pid",
+            "pid_start",
+            "host",
+            "started_at",
+            "heartbeat_at",
+            "progress_at",
+            "current",
+            "state",
+            "error",
+            "ended_at",
+        )
         return [dict(zip(keys, row, strict=True)) for row in cur]

@@ -25,7 +25,9 @@ def stage_runners(
     }
 
 
-def run_all(run: Run, allow_partial: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_all(
+    run: Run, allow_partial: bool = False, log: Callable[[str], None] = print
+) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for stage, runner in stage_runners((0, 1), allow_partial).items():
         if run.ledger.completion(stage) is not None:

@@ -71,11 +71,17 @@ def require_previous(run: Run, stage: str, allow_partial: bool) -> None:
     prev = previous_stage(stage)
     if prev is None or run.ledger.completion(prev) is not None:
         return
-    counts = run.ledger.counts(prev)
     row = run.ledger.stage_row(prev)
+    if row is None and not allow_partial:
+        raise GateError(
+            f"{stage}: refusing to start: stage {prev!r} has not run (eagletrain {prev})"
+        )
+    counts = run.ledger.counts(prev)
     total = row["total"] if row else 0
-    done = counts.get("done", 0) if row and row["kind"] == "items" else (row or {}).get(
-        "units_done", 0
+    done = (
+        counts.get("done", 0)
+        if row and row["kind"] == "items"
+        else (row or {}).get("units_done", 0)
     )
     shortfall = f"{done} of {total} {row['unit'] if row else 'items'} present"
     if allow_partial and row is not None:

@@ -48,7 +48,10 @@ def write_shard(
     path: Path, tensors: dict[str, torch.Tensor], index: list[IndexEntry], meta: dict[str, object]
 ) -> int:
     """Write atomically; returns the file size in bytes."""
-    header = {**{k: str(v) for k, v in meta.items()}, INDEX_KEY: json.dumps([e.__dict__ for e in index])}
+    header = {
+        **{k: str(v) for k, v in meta.items()},
+        INDEX_KEY: json.dumps([e.__dict__ for e in index]),
+    }
     blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=header)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("wb") as f:

@@ -1,9 +1,10 @@
-"""Greedy chain speculative decoding with an EAGLE-3 drafter, in plain PyTorch.
+"""Greedy chain speculative decoding in plain PyTorch, with a pluggable proposer.
 
-One cycle: the drafter proposes k tokens; the target scores [last token, drafts] in one
-forward; the longest prefix of drafts matching the target's argmax is accepted, plus the
+One cycle: the proposer drafts k tokens; the target scores [last token, drafts] in one
+forward; the longest prefix of drafts equal to the target's argmax is accepted, plus the
 target's own next token (the bonus). Tokens per cycle = accepted + 1; tau is their mean
-over all cycles of all prompts (pooled). Both caches are cropped to the accepted length.
+over all cycles of all prompts (pooled). The target's cache is cropped to what was
+accepted, and the proposer is told which tokens (and target features) became real.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -32,32 +34,107 @@ def _cache_argument(model: torch.nn.Module) -> str:
 
 
 class TargetSession:
-    """The target with a KV cache; each forward also returns the aux-layer features."""
+    """The target with a KV cache; a forward can also return the aux-layer features."""
 
-    def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int]):
+    def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int] | None):
         self.model = model
         self.aux_layer_ids = aux_layer_ids
         self.cache = DynamicCache()
         self.device = next(model.parameters()).device
         self._cache_kw = _cache_argument(model)
 
-    def _run(self, ids: torch.Tensor):
-        return self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self.cache})
-
-    def forward(self, tokens: list[int], features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.tensor([tokens], device=self.device)
-        if not features:
-            return self._run(ids).logits[0], None
+        kwargs = {"input_ids": ids, "use_cache": True, self._cache_kw: self.cache}
+        if not self.aux_layer_ids:
+            return self.model(**kwargs).logits[0], None
         with capture_layer_outputs(self.model, self.aux_layer_ids) as captured:
-            out = self._run(ids)
-        aux = torch.cat([captured[i][0] for i in self.aux_layer_ids], dim=-1)
-        return out.logits[0], aux
+            logits = self.model(**kwargs).logits[0]
+        return logits, torch.cat([captured[i][0] for i in self.aux_layer_ids], dim=-1)
 
     def crop(self, length: int) -> None:
         # A negative count (tokens to remove) is what both transformers 4.x and 5.x accept.
         excess = self.cache.get_seq_length() - length
         if excess > 0:
             self.cache.crop(-excess)
+
+
+class Proposer(Protocol):
+    """Drafts tokens; learns after each verification which tokens became real."""
+
+    aux_layer_ids: list[int] | None  # target features it needs, None for none
+
+    def start(self, prompt: list[int], first: int, features: torch.Tensor | None) -> None: ...
+
+    def propose(self, k: int) -> list[int]: ...
+
+    def advance(self, new_tokens: list[int], features: torch.Tensor | None) -> None: ...
+
+
+class EagleProposer:
+    """EAGLE-3 chain drafting. Drafter index i pairs the target feature of position i with
+    token i+1; the k-th draft step runs at rope position (last real index) + k."""
+
+    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module):
+        self.drafter, self.embed = drafter, embed
+        self.aux_layer_ids = list(drafter.config.eagle_aux_layer_ids)
+        self.device = next(drafter.parameters()).device
+
+    def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
+        first = len(self.cache)
+        positions = torch.arange(first, first + len(next_tokens), device=self.device)[None]
+        ids = torch.tensor([next_tokens], device=self.device)
+        hidden = self.drafter.fc(features[None].to(self.device))
+        out = self.drafter.step_cached(hidden, self.embed(ids), positions, self.cache)
+        self.real, self.last_hidden = first + len(next_tokens), out[:, -1:]
+
+    def start(self, prompt: list[int], first: int, features: torch.Tensor | None) -> None:
+        self.cache = DraftKVCache()
+        self._extend(features, [*prompt[1:], first])
+
+    def propose(self, k: int) -> list[int]:
+        drafts, hidden = [], self.last_hidden
+        for j in range(k):
+            token = int(self.drafter.draft_to_target(self.drafter.logits(hidden)[0, -1].argmax()))
+            drafts.append(token)
+            if j + 1 < k:
+                pos = torch.tensor([[self.real + j]], device=self.device)
+                emb = self.embed(torch.tensor([[token]], device=self.device))
+                hidden = self.drafter.step_cached(hidden, emb, pos, self.cache)
+        return drafts
+
+    def advance(self, new_tokens: list[int], features: torch.Tensor | None) -> None:
+        self.cache.crop(self.real)
+        self._extend(features, new_tokens)
+
+
+class PromptLookupProposer:
+    """Prompt-lookup (n-gram) drafting: continue the latest earlier occurrence of the
+    trailing n-gram of the text so far. A baseline needing no trained drafter."""
+
+    aux_layer_ids = None
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def start(self, prompt: list[int], first: int, features: torch.Tensor | None) -> None:
+        self.text = [*prompt, first]
+
+    def propose(self, k: int) -> list[int]:
+        text = self.text
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(text) <= n:
+                continue
+            tail = text[-n:]
+            for start in range(len(text) - n - 1, -1, -1):
+                if text[start : start + n] == tail:
+                    follow = text[start + n : start + n + k]
+                    if follow:
+                        return follow + [follow[-1]] * (k - len(follow))
+        return [text[-1]] * k
+
+    def advance(self, new_tokens: list[int], features: torch.Tensor | None) -> None:
+        self.text.extend(new_tokens)
 
 
 def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -69,14 +146,16 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy_decode(model: torch.nn.Module, prompt: list[int], max_new: int, eos: set[int]) -> Decoded:
+def greedy_decode(
+    model: torch.nn.Module, prompt: list[int], max_new: int, eos: set[int]
+) -> Decoded:
     """Plain greedy decoding on the same engine (same cache, same dtype) as the speculative loop."""
     start = time.perf_counter()
-    session = TargetSession(model, [])
-    logits, _ = session.forward(prompt, features=False)
+    target = TargetSession(model, None)
+    logits, _ = target.forward(prompt)
     out = [int(logits[-1].argmax())]
     while len(out) < max_new and out[-1] not in eos:
-        logits, _ = session.forward(out[-1:], features=False)
+        logits, _ = target.forward(out[-1:])
         out.append(int(logits[-1].argmax()))
     return Decoded(_finish(out, max_new, eos), time.perf_counter() - start)
 
@@ -84,50 +163,30 @@ def greedy_decode(model: torch.nn.Module, prompt: list[int], max_new: int, eos: 
 @torch.inference_mode()
 def speculative_greedy(
     model: torch.nn.Module,
-    drafter: Eagle3Drafter,
-    embed: torch.nn.Module,
+    proposer: Proposer,
     prompt: list[int],
     max_new: int,
-    draft_steps: int,
+    k: int,
     eos: set[int],
 ) -> Decoded:
     start = time.perf_counter()
-    device = next(drafter.parameters()).device
-    target = TargetSession(model, list(drafter.config.eagle_aux_layer_ids))
-    logits, feats = target.forward(prompt, features=True)
+    target = TargetSession(model, proposer.aux_layer_ids)
+    logits, features = target.forward(prompt)
     out = [int(logits[-1].argmax())]
-    n = len(prompt)  # drafter indices 0..n-1 hold real (target-feature) entries
-    dcache = DraftKVCache()
-
-    def extend_drafter(feats: torch.Tensor, next_tokens: list[int], first: int) -> torch.Tensor:
-        positions = torch.arange(first, first + len(next_tokens), device=device)[None]
-        ids = torch.tensor([next_tokens], device=device)
-        hidden = drafter.fc(feats[None].to(device))
-        return drafter.step_cached(hidden, embed(ids), positions, dcache)[:, -1:]
-
-    last_hidden = extend_drafter(feats, [*prompt[1:], out[0]], 0)
+    proposer.start(prompt, out[0], features)
     accepted_per_cycle = []
     while len(out) < max_new and out[-1] not in eos:
-        drafts: list[int] = []
-        hidden = last_hidden
-        for j in range(draft_steps):
-            token = int(drafter.draft_to_target(drafter.logits(hidden)[0, -1].argmax()))
-            drafts.append(token)
-            if j + 1 < draft_steps:
-                pos = torch.tensor([[n - 1 + j + 1]], device=device)
-                emb = embed(torch.tensor([[token]], device=device))
-                hidden = drafter.step_cached(hidden, emb, pos, dcache)
-        logits, feats = target.forward([out[-1], *drafts], features=True)
+        verified = len(prompt) + len(out) - 1  # target cache length before this cycle
+        drafts = proposer.propose(k)
+        logits, features = target.forward([out[-1], *drafts])
         predicted = logits.argmax(-1).tolist()
         accepted = 0
-        while accepted < draft_steps and drafts[accepted] == predicted[accepted]:
+        while accepted < k and drafts[accepted] == predicted[accepted]:
             accepted += 1
         new_tokens = [*drafts[:accepted], predicted[accepted]]
         accepted_per_cycle.append(accepted)
-        target.crop(n + 1 + accepted)
-        dcache.crop(n)
-        last_hidden = extend_drafter(feats[: accepted + 1], new_tokens, n)
-        n += accepted + 1
+        target.crop(verified + 1 + accepted)
+        proposer.advance(new_tokens, None if features is None else features[: accepted + 1])
         out.extend(new_tokens)
     return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle)
 
@@ -139,7 +198,7 @@ def pooled_tau(accepted_per_cycle: list[int]) -> float:
     return sum(a + 1 for a in accepted_per_cycle) / len(accepted_per_cycle)
 
 
-def per_position_acceptance(accepted_per_cycle: list[int], draft_steps: int) -> list[float]:
+def per_position_acceptance(accepted_per_cycle: list[int], k: int) -> list[float]:
     """Fraction of cycles whose j-th draft token (j = 1..k) was accepted."""
     cycles = max(len(accepted_per_cycle), 1)
-    return [sum(a >= j for a in accepted_per_cycle) / cycles for j in range(1, draft_steps + 1)]
+    return [sum(a >= j for a in accepted_per_cycle) / cycles for j in range(1, k + 1)]

@@ -75,8 +75,14 @@ def _worker_verdict(w: dict[str, Any], now: float, host: str) -> WorkerView:
     else:
         verdict = {"exited": "exited", "failed": "failed", "dead": "dead"}[w["state"]]
     return WorkerView(
-        w["partition"], w["pid"], w["host"], verdict, heartbeat_age, progress_age,
-        w["current"], w["error"],
+        w["partition"],
+        w["pid"],
+        w["host"],
+        verdict,
+        heartbeat_age,
+        progress_age,
+        w["current"],
+        w["error"],
     )
 
 

@@ -11,8 +11,8 @@ import hashlib
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from eagletrain.config import TargetConfig
-from eagletrain.embedded import SMOLLM2_GGUF, embedded_file
+from eagletrain.embedded import embedded_file
 from eagletrain.errors import InputError
 
 LAYER_ID_CONVENTION = "output-of-layer-k (0-based; SGLang ids; vLLM id = k+1)"

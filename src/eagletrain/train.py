@@ -22,11 +22,12 @@ from eagletrain.draft_vocab import load_or_build
 from eagletrain.drafter import Eagle3Drafter, drafter_config
 from eagletrain.errors import ConfigError, InputError
 from eagletrain.extract import read_dataset_metadata
+from eagletrain.faults import inject_delay
 from eagletrain.hidden_dataset import HiddenSamples
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
 from eagletrain.target import load_target, pick_device, resolve_target
-from eagletrain.ttt import TargetHead, simulated_acceptance_length, step_weights, ttt_forward
+from eagletrain.ttt import TargetHead, step_weights, ttt_forward
 from eagletrain.worker import WorkerSession
 
 STAGE = "train"
@@ -73,8 +74,14 @@ def lr_lambda(warmup: int, total: int):
 
 
 def evaluate_heldout(
-    drafter: Eagle3Drafter, embed: torch.nn.Embedding, head: TargetHead, data: HiddenSamples,
-    steps: int, weights: list[float], device: torch.device, batch_size: int,
+    drafter: Eagle3Drafter,
+    embed: torch.nn.Embedding,
+    head: TargetHead,
+    data: HiddenSamples,
+    steps: int,
+    weights: list[float],
+    device: torch.device,
+    batch_size: int,
 ) -> dict[str, Any]:
     drafter.eval()
     totals: dict[str, Any] = {"loss": 0.0, "acc": [0.0] * steps, "cond_acc": [0.0] * steps}
@@ -85,8 +92,17 @@ def evaluate_heldout(
                 device, torch.float32
             )
             p, in_vocab = head.distribution(batch.last, drafter.target_ids(), drafter.t2d)
-            r = ttt_forward(drafter, embed, batch.aux, batch.input_ids, batch.loss_mask, p,
-                            in_vocab, steps, weights)
+            r = ttt_forward(
+                drafter,
+                embed,
+                batch.aux,
+                batch.input_ids,
+                batch.loss_mask,
+                p,
+                in_vocab,
+                steps,
+                weights,
+            )
             totals["loss"] += float(r.loss)
             for k in range(steps):
                 totals["acc"][k] += r.step_acc[k]
@@ -144,10 +160,17 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
             ids = train_data.tensor(i, "input_ids")
             yield ids[train_data.tensor(i, "loss_mask").bool()]
 
-    draft_ids = load_or_build(run.dir / "train", digest, tc.draft_vocab_size, meta["target"],
-                              masked_tokens, target_config.vocab_size)
-    dcfg = drafter_config(target_config, tc.draft_vocab_size, meta["aux_layer_ids"],
-                          tc.norm_before_residual)
+    draft_ids = load_or_build(
+        run.dir / "train",
+        digest,
+        tc.draft_vocab_size,
+        meta["target"],
+        masked_tokens,
+        target_config.vocab_size,
+    )
+    dcfg = drafter_config(
+        target_config, tc.draft_vocab_size, meta["aux_layer_ids"], tc.norm_before_residual
+    )
     drafter = Eagle3Drafter(dcfg)
     drafter.set_draft_vocab(draft_ids)
     drafter.to(device)
@@ -157,10 +180,12 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
 
     steps_per_epoch = math.ceil(len(train_data) / tc.batch_size)
     total_steps = steps_per_epoch * tc.epochs
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                  lr_lambda(tc.warmup_steps, total_steps))
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(tc.warmup_steps, total_steps)
+    )
     weights = step_weights(tc.ttt_steps, tc.step_weight_decay)
     ledger.begin_stage(STAGE, "units", total_steps, "steps")
     ledger.set_units_done(STAGE, 0)
@@ -172,8 +197,11 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     def done_steps(led) -> int:
         return (led.stage_row(STAGE) or {}).get("units_done", 0)
 
-    with WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_steps) as worker, \
-            metrics_path.open("a") as metrics, stage_progress() as bar:
+    with (
+        WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_steps) as worker,
+        metrics_path.open("a") as metrics,
+        stage_progress() as bar,
+    ):
         task = bar.add_task("train", total=total_steps, unit="steps")
         start = time.time()
         for epoch in range(tc.epochs):
@@ -184,8 +212,17 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
                 with torch.no_grad():
                     p, in_vocab = head.distribution(batch.last, draft_ids, drafter.t2d)
                 with autocast:
-                    r = ttt_forward(drafter, embed, batch.aux, batch.input_ids, batch.loss_mask,
-                                    p, in_vocab, tc.ttt_steps, weights)
+                    r = ttt_forward(
+                        drafter,
+                        embed,
+                        batch.aux,
+                        batch.input_ids,
+                        batch.loss_mask,
+                        p,
+                        in_vocab,
+                        tc.ttt_steps,
+                        weights,
+                    )
                 optimizer.zero_grad(set_to_none=True)
                 r.loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
@@ -193,26 +230,47 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
                 scheduler.step()
                 step += 1
                 record = {
-                    "step": step, "epoch": epoch, "time": time.time() - start,
-                    "loss": float(r.loss), "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm), "tokens": int(batch.loss_mask.sum()),
+                    "step": step,
+                    "epoch": epoch,
+                    "time": time.time() - start,
+                    "loss": r.loss.item(),
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens": int(batch.loss_mask.sum()),
                     **{f"loss_{k}": v for k, v in enumerate(r.step_loss)},
                     **{f"acc_{k}": v for k, v in enumerate(r.step_acc)},
                     **{f"cond_acc_{k}": v for k, v in enumerate(r.step_cond_acc)},
                 }
                 metrics.write(json.dumps(record) + "\n")
                 ledger.set_units_done(STAGE, step)
-                ledger.conn.execute("UPDATE workers SET progress_at=? WHERE id=?",
-                                    (time.time(), worker.id))
+                ledger.conn.execute(
+                    "UPDATE workers SET progress_at=? WHERE id=?", (time.time(), worker.id)
+                )
                 bar.advance(task)
+                inject_delay("train")
         metrics.flush()
-        evaluation = evaluate_heldout(drafter, embed, head, heldout or train_data,
-                                      tc.ttt_steps, weights, device, tc.batch_size)
+        evaluation = evaluate_heldout(
+            drafter,
+            embed,
+            head,
+            heldout or train_data,
+            tc.ttt_steps,
+            weights,
+            device,
+            tc.batch_size,
+        )
         evaluation["heldout_split"] = "heldout" if len(heldout) else "train (no heldout)"
         metrics.write(json.dumps({"step": step, "eval": evaluation}) + "\n")
-        checksum = save_checkpoint(run.dir / "train" / CHECKPOINT, drafter,
-                                   {"steps": step, **evaluation})
+        checksum = save_checkpoint(
+            run.dir / "train" / CHECKPOINT, drafter, {"steps": step, **evaluation}
+        )
         worker.sample_now()
-    ledger.complete(STAGE, len(train_data), sum(i.tokens or 0 for i in train_items), checksum,
-                    allow_partial, evaluation)
+    ledger.complete(
+        STAGE,
+        len(train_data),
+        sum(i.tokens or 0 for i in train_items),
+        checksum,
+        allow_partial,
+        evaluation,
+    )
     return evaluation

@@ -95,7 +95,7 @@ def ttt_forward(
         with torch.no_grad():
             correct = (logits.argmax(-1) == target.argmax(-1)) & mask
             prior = chain & mask
-            out.step_loss.append(float(step_loss))
+            out.step_loss.append(step_loss.item())
             out.step_acc.append(float(correct.sum() / denom))
             out.step_cond_acc.append(float((correct & chain).sum() / prior.sum().clamp(min=1)))
             out.step_count.append(int(mask.sum()))

@@ -36,6 +36,10 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.bad and not self.unfinished
 
+    def lines(self) -> list[str]:
+        """The summary, then every bad sample on its own line."""
+        return [self.summary(), *(f"  bad sample {k}: {why}" for k, why in self.bad)]
+
     def summary(self) -> str:
         if self.ok:
             return f"{self.stage}: verified {self.checked} samples, {self.tokens} tokens"
@@ -59,15 +63,19 @@ def _shard_bytes(ledger: Ledger, stage: str) -> dict[str, int]:
 
 
 def _check_shard(
-    path: Path, expected_bytes: int | None, items: list[ItemRow], names: tuple[str, ...],
+    path: Path,
+    expected_bytes: int | None,
+    items: list[ItemRow],
+    names: tuple[str, ...],
     deep: bool,
 ) -> list[tuple[str, str]]:
     if not path.is_file():
         return [(i.key, f"shard {path.name} missing") for i in items]
     size = path.stat().st_size
     if expected_bytes is not None and size != expected_bytes:
-        return [(i.key, f"shard {path.name} is {size} bytes, expected {expected_bytes}")
-                for i in items]
+        return [
+            (i.key, f"shard {path.name} is {size} bytes, expected {expected_bytes}") for i in items
+        ]
     try:
         index = {e.key: e for e in read_index(path)}
         reader = ShardReader(path)
@@ -79,7 +87,9 @@ def _check_shard(
         if entry is None:
             bad.append((item.key, f"not in {path.name} index"))
         elif (entry.offset, entry.tokens, entry.checksum) != (
-            item.offset, item.tokens, item.checksum
+            item.offset,
+            item.tokens,
+            item.checksum,
         ):
             bad.append((item.key, f"{path.name} index disagrees with the ledger"))
         elif deep:
@@ -110,12 +120,16 @@ def verify_stage(run_dir: Path, ledger: Ledger, stage: str, deep: bool = True) -
         by_shard[item.shard or "?"].append(item)
     sizes = _shard_bytes(ledger, stage)
     for shard, items in sorted(by_shard.items()):
-        report.bad += _check_shard(run_dir / directory / shard, sizes.get(shard), items,
-                                   names, deep)
+        report.bad += _check_shard(
+            run_dir / directory / shard, sizes.get(shard), items, names, deep
+        )
     if stage == "extract":
         data_tokens = {i.key: i.tokens for i in ledger.items("data", "done")}
-        report.bad += [(i.key, f"{i.tokens} hidden rows but {data_tokens.get(i.key)} tokens")
-                       for i in done if data_tokens.get(i.key) != i.tokens]
+        report.bad += [
+            (i.key, f"{i.tokens} hidden rows but {data_tokens.get(i.key)} tokens")
+            for i in done
+            if data_tokens.get(i.key) != i.tokens
+        ]
     report.checked = len(done)
     report.tokens = sum(i.tokens or 0 for i in done)
     digest = hashlib.sha256()
@@ -126,7 +140,10 @@ def verify_stage(run_dir: Path, ledger: Ledger, stage: str, deep: bool = True) -
 
 
 def finalize_items_stage(
-    run_dir: Path, ledger: Ledger, stage: str, detail: dict[str, Any] | None = None,
+    run_dir: Path,
+    ledger: Ledger,
+    stage: str,
+    detail: dict[str, Any] | None = None,
     deep: bool = True,
 ) -> VerifyReport:
     """Verify and, when everything checks, write the completion record the next stage needs."""

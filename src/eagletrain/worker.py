@@ -69,14 +69,18 @@ class WorkerSession:
         except BlockingIOError:
             os.close(fd)
             holder = next(
-                (w for w in reversed(self.ledger.workers(self.stage))
-                 if w["partition"] == self.partition and w["state"] == "running"),
+                (
+                    w
+                    for w in reversed(self.ledger.workers(self.stage))
+                    if w["partition"] == self.partition and w["state"] == "running"
+                ),
                 None,
             )
             who = (
                 f"pid {holder['pid']} on {holder['host']} since "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started_at']))}"
-                if holder else "another process"
+                if holder
+                else "another process"
             )
             raise LockHeldError(
                 f"stage {self.stage} partition {self.partition} is already being worked by {who}"
@@ -97,8 +101,16 @@ class WorkerSession:
             c.execute(
                 "INSERT INTO workers(id, stage, partition_, pid, pid_start, host, started_at, "
                 "heartbeat_at, state) VALUES(?,?,?,?,?,?,?,?, 'running')",
-                (self.id, self.stage, self.partition, pid, process_start_time(pid),
-                 socket.gethostname(), now, now),
+                (
+                    self.id,
+                    self.stage,
+                    self.partition,
+                    pid,
+                    process_start_time(pid),
+                    socket.gethostname(),
+                    now,
+                    now,
+                ),
             )
         self._thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         self._thread.start()
@@ -113,9 +125,7 @@ class WorkerSession:
         conn.close()
 
     def _beat(self, ledger: Ledger) -> None:
-        ledger.conn.execute(
-            "UPDATE workers SET heartbeat_at=? WHERE id=?", (time.time(), self.id)
-        )
+        ledger.conn.execute("UPDATE workers SET heartbeat_at=? WHERE id=?", (time.time(), self.id))
         if self._done_counter is not None:
             ledger.sample_progress(self.stage, self._done_counter(ledger))
 

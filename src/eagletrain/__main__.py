@@ -1,0 +1,3 @@
+from eagletrain.cli import app
+
+app(prog_name="eagletrain")

@@ -1,0 +1,110 @@
+"""The CLI end to end on the tiny target: the whole pipeline, gating, verify, bad input."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from conftest import eagletrain, status_json
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_target, conversations, prompts) -> Path:
+    from conftest import tiny_config_text
+
+    base = tmp_path_factory.mktemp("finished")
+    config = base / "tiny.toml"
+    config.write_text(tiny_config_text(tiny_target, conversations, prompts))
+    result = eagletrain("run", config, "--run-dir", base / "run")
+    assert result.returncode == 0, result.stderr
+    assert "tau=" in result.stdout.splitlines()[-1]
+    assert "export: " in result.stdout
+    return base / "run"
+
+
+def test_run_finishes_every_stage_and_status_says_done(finished_run: Path):
+    stages = status_json(finished_run)
+    assert {s: v["verdict"] for s, v in stages.items()} == dict.fromkeys(stages, "done")
+    assert stages["extract"]["done"] == stages["extract"]["total"] > 0
+    results = json.loads((finished_run / "eval" / "results.json").read_text())
+    assert results["lossless"] is True
+    assert 1.0 <= results["tau"] <= 1 + results["draft_steps"]
+    assert (finished_run / "export" / "sglang" / "config.json").is_file()
+    assert "smollm2" not in (finished_run / "config.toml").read_text()  # resolved, our target
+
+
+def test_rerun_of_a_finished_run_does_no_work(finished_run: Path):
+    config = finished_run.parent / "tiny.toml"
+    before = (finished_run / "train" / "metrics.jsonl").read_text()
+    result = eagletrain("run", config, "--run-dir", finished_run)
+    assert result.returncode == 0, result.stderr
+    assert "already verified complete" in result.stdout
+    assert (finished_run / "train" / "metrics.jsonl").read_text() == before
+
+
+def test_verify_names_the_samples_of_a_truncated_shard(finished_run: Path, tmp_path: Path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    (shard,) = conn.execute(
+        "SELECT shard FROM items WHERE stage='extract' AND state='done' LIMIT 1"
+    ).fetchone()
+    keys = {
+        k
+        for (k,) in conn.execute(
+            "SELECT key FROM items WHERE stage='extract' AND shard=?", (shard,)
+        )
+    }
+    conn.close()
+    path = run / "hidden" / shard
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    result = eagletrain("verify", run, "--stage", "extract")
+    assert result.returncode == 5
+    assert all(key in result.stdout for key in keys)
+    assert "1 stage(s)" in result.stderr and "Traceback" not in result.stderr
+    # The completion record is revoked, so the next stage is gated again.
+    assert status_json(run)["extract"]["verdict"] != "done"
+
+
+def test_train_refuses_without_verified_extraction(tiny_config: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    assert eagletrain("data", tiny_config, "--run-dir", run).returncode == 0
+    result = eagletrain("train", tiny_config, "--run-dir", run)
+    assert result.returncode == 3
+    assert "stage 'extract' has not run" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "train.no_such_knob=1"], "unknown config key 'train.no_such_knob'"),
+        (["--set", "train.epochs=many"], "config key 'train.epochs'"),
+        (["--set", "data.source=/nonexistent.jsonl"], "/nonexistent.jsonl: conversations file"),
+        (["--set", "target.model=/tmp"], "/tmp: not a model"),
+    ],
+)
+def test_bad_input_is_one_line_and_non_zero(tiny_config: Path, tmp_path: Path, args, message):
+    result = eagletrain("data", tiny_config, "--run-dir", tmp_path / "run", *args)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
+
+
+def test_missing_config_file_is_one_line(tmp_path: Path):
+    result = eagletrain("run", tmp_path / "absent.toml")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {tmp_path / 'absent.toml'}: config file not found"
+
+
+def test_changing_a_started_stage_config_is_refused(tiny_config: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    assert eagletrain("data", tiny_config, "--run-dir", run).returncode == 0
+    result = eagletrain("data", tiny_config, "--run-dir", run, "--set", "data.max_length=50")
+    assert result.returncode == 2
+    assert "data.max_length" in result.stderr
