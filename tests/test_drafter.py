@@ -1,0 +1,58 @@
+"""The drafter's training-time-test attention equals what chain decoding computes with a
+KV cache, step by step: the TTT mask (prefix of target features + own chain) is the
+decoding pattern, so training and serving see the same function."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+
+from eagletrain.drafter import DraftKVCache, Eagle3Drafter, drafter_config
+from eagletrain.ttt import shift
+
+
+def tiny_drafter(seed: int = 0) -> tuple[Eagle3Drafter, torch.nn.Embedding]:
+    target = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(drafter_config(target, 20, [1, 3, 4])).double()
+    drafter.set_draft_vocab(torch.arange(0, 40, 2))
+    return drafter, torch.nn.Embedding(50, 32).double()
+
+
+def test_ttt_steps_equal_cached_chain_decoding():
+    drafter, embed = tiny_drafter()
+    t, steps = 12, 4
+    aux = torch.randn(1, t, 3 * 32, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (1, t))
+    positions = torch.arange(t)[None]
+    hidden, past, ttt_hidden = drafter.fc(aux), [], []
+    for k in range(steps):
+        hidden = drafter.step_ttt(hidden, embed(shift(tokens, 1 + k)), positions + k, past)
+        ttt_hidden.append(hidden)
+
+    for i in range(t - steps):
+        cache = DraftKVCache()
+        out = drafter.step_cached(
+            drafter.fc(aux[:, : i + 1]), embed(tokens[:, 1 : i + 2]), positions[:, : i + 1], cache
+        )[:, -1:]
+        torch.testing.assert_close(out[0, 0], ttt_hidden[0][0, i])
+        for k in range(1, steps):
+            token = tokens[:, i + 1 + k : i + 2 + k]
+            out = drafter.step_cached(out, embed(token), torch.tensor([[i + k]]), cache)
+            torch.testing.assert_close(out[0, 0], ttt_hidden[k][0, i])
+
+
+def test_draft_vocab_mapping_round_trips():
+    drafter, _ = tiny_drafter()
+    ids = torch.arange(0, 40, 2)
+    assert torch.equal(drafter.target_ids(), ids)
+    assert drafter.t2d.sum() == 20 and drafter.t2d[ids].all()
+    assert torch.equal(drafter.d2t, ids - torch.arange(20))

@@ -1,0 +1,60 @@
+"""Export writes the SGLang/EAGLE format and refuses anything that would not load back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_drafter import tiny_drafter
+
+from eagletrain.export import ExportError, load_exported, write_sglang
+
+SGLANG_TENSORS = {
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+}
+
+
+def test_sglang_export_round_trips_with_the_documented_names(tmp_path):
+    drafter, _ = tiny_drafter()
+    write_sglang(drafter, tmp_path)
+    assert set(load_file(tmp_path / "model.safetensors")) == SGLANG_TENSORS
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["draft_vocab_size"] == 20 and config["target_hidden_size"] == 32
+    assert config["norm_before_residual"] is False
+    assert config["max_position_embeddings"] == 128
+    loaded = load_exported(tmp_path)
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(tensor.to(loaded.state_dict()[name].dtype), loaded.state_dict()[name])
+
+
+def test_a_renamed_tensor_fails_loudly(tmp_path):
+    drafter, _ = tiny_drafter()
+    write_sglang(drafter, tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["layers.0.mlp.up_proj.weight"] = state.pop("midlayer.mlp.up_proj.weight")
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ExportError, match=r"missing \['midlayer.mlp.up_proj.weight'\]"):
+        load_exported(tmp_path)
+
+
+def test_a_config_that_disagrees_with_the_tensors_fails(tmp_path):
+    drafter, _ = tiny_drafter()
+    write_sglang(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["draft_vocab_size"] = 21
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match=r"(d2t|lm_head.weight) has shape"):
+        load_exported(tmp_path)

@@ -1,0 +1,106 @@
+"""Greedy speculative decoding is lossless: its output equals plain greedy decoding token
+for token, whatever the proposer drafts (EAGLE drafter, prompt lookup, or an oracle that
+is right or wrong on purpose); tau is defined once, including the bonus token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_drafter import tiny_drafter
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagletrain.drafter import Eagle3Drafter, drafter_config
+from eagletrain.speculative import (
+    EagleProposer,
+    PromptLookupProposer,
+    greedy_decode,
+    per_position_acceptance,
+    pooled_tau,
+    speculative_greedy,
+)
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(3)
+    return LlamaForCausalLM(config).double().eval()
+
+
+class OracleProposer:
+    """Drafts the true greedy continuation, corrupting draft j of a cycle with a set
+    probability, so both acceptance and rejection paths run."""
+
+    aux_layer_ids = None
+
+    def __init__(self, truth: list[int], error_rate: float, seed: int):
+        self.truth, self.error_rate, self.rng = truth, error_rate, random.Random(seed)
+
+    def start(self, prompt, first, features):
+        self.done = 1
+
+    def propose(self, k):
+        drafts = list(self.truth[self.done : self.done + k])
+        drafts += [0] * (k - len(drafts))
+        return [(t + 1) % 50 if self.rng.random() < self.error_rate else t for t in drafts]
+
+    def advance(self, new_tokens, features):
+        self.done += len(new_tokens)
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(50) for _ in range(rng.randint(3, 20))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_oracle_drafts_accept_and_reject_yet_output_is_identical(target, k):
+    accepted_all = []
+    for i, prompt in enumerate(prompts(12)):
+        plain = greedy_decode(target, prompt, 40, eos=set())
+        spec = speculative_greedy(
+            target, OracleProposer(plain.tokens, 0.2, i), prompt, 40, k, eos=set()
+        )
+        assert spec.tokens == plain.tokens
+        accepted_all += spec.accepted_per_cycle
+    assert 0 in accepted_all and k in accepted_all  # both paths exercised
+
+
+def test_eagle_and_prompt_lookup_are_lossless_on_many_prompts(target):
+    drafter, _ = tiny_drafter()
+    cfg = drafter_config(target.config, 20, [1, 3, 4])
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(cfg).double()
+    drafter.set_draft_vocab(torch.arange(0, 40, 2))
+    eagle = EagleProposer(drafter, target.get_input_embeddings())
+    for prompt in prompts(20):
+        plain = greedy_decode(target, prompt, 30, eos={7})
+        for proposer in (eagle, PromptLookupProposer()):
+            spec = speculative_greedy(target, proposer, prompt, 30, 3, eos={7})
+            assert spec.tokens == plain.tokens
+
+
+def test_perfect_drafts_give_tau_k_plus_one(target):
+    prompt = prompts(1)[0]
+    plain = greedy_decode(target, prompt, 33, eos=set())
+    spec = speculative_greedy(target, OracleProposer(plain.tokens, 0.0, 0), prompt, 33, 4, set())
+    assert spec.tokens == plain.tokens
+    # 1 token from prefill, then 32 tokens in cycles of 4 drafts + 1 bonus
+    assert spec.accepted_per_cycle[:6] == [4] * 6
+    assert pooled_tau(spec.accepted_per_cycle[:6]) == 5.0
+
+
+def test_tau_and_per_position_definitions():
+    assert pooled_tau([0, 1, 3]) == (1 + 2 + 4) / 3
+    assert per_position_acceptance([0, 1, 3], 3) == [2 / 3, 1 / 3, 1 / 3]
