@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from eagletrain.config import STAGES, load_config
 from eagletrain.errors import EagletrainError, InputError, VerifyError
+from eagletrain.stages import STAGES
 
 app = typer.Typer(
     add_completion=False,
@@ -88,6 +88,7 @@ def _partition(text: str) -> tuple[int, int]:
 
 
 def _open(config: Path, run_dir: Path | None, overrides: list[str] | None):
+    from eagletrain.config import load_config
     from eagletrain.rundir import open_run
 
     _quiet_libraries()

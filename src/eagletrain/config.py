@@ -10,8 +10,9 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eagletrain.errors import ConfigError
+from eagletrain.stages import STAGES
 
-STAGES = ("data", "extract", "train", "export", "eval")
+__all__ = ["STAGES", "Config", "load_config"]
 
 
 class Section(BaseModel):

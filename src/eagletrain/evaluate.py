@@ -25,6 +25,7 @@ from eagletrain.speculative import (
     speculative_greedy,
 )
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
+from eagletrain.worker import WorkerSession
 
 STAGE = "eval"
 
@@ -81,7 +82,14 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
     plain_s = spec_s = 0.0
     per_prompt = []
     mismatches = []
-    with stage_progress() as bar:
+
+    def done_prompts(led) -> int:
+        return (led.stage_row(STAGE) or {}).get("units_done", 0)
+
+    with (
+        WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_prompts) as worker,
+        stage_progress() as bar,
+    ):
         task = bar.add_task("eval", total=len(prompts), unit="prompts")
         for i, (pid, text) in enumerate(prompts):
             ids = tokenizer.apply_chat_template(
@@ -109,6 +117,7 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
                 }
             )
             ledger.set_units_done(STAGE, i + 1)
+            worker.progressed()
             bar.advance(task)
     if mismatches:
         raise VerifyError(

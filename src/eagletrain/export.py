@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from eagletrain.drafter import Eagle3Drafter
 from eagletrain.errors import EagletrainError, InputError
 from eagletrain.rundir import Run, require_previous
 from eagletrain.train import CHECKPOINT
+from eagletrain.worker import WorkerSession
 
 STAGE = "export"
 SGLANG_DIR = "sglang"
@@ -115,19 +117,18 @@ def run_export(run: Run, allow_partial: bool = False) -> Path:
         return out_dir
     require_previous(run, STAGE, allow_partial)
     ledger.begin_stage(STAGE, "units", 1, "checkpoints")
-    drafter = load_checkpoint(run.dir / "train" / CHECKPOINT)
-    tmp = out_dir.with_name(f".{SGLANG_DIR}.tmp")
-    write_sglang(drafter, tmp)
-    loaded = load_exported(tmp)
-    for name, tensor in drafter.state_dict().items():
-        if not torch.equal(tensor, loaded.state_dict()[name]):
-            raise ExportError(f"{tmp}: {name} changed in the round trip")
-    if out_dir.exists():
-        for f in out_dir.iterdir():
-            f.unlink()
-        out_dir.rmdir()
-    os.replace(tmp, out_dir)
-    digest = hashlib.sha256((out_dir / "model.safetensors").read_bytes()).hexdigest()[:32]
-    ledger.set_units_done(STAGE, 1)
+    with WorkerSession(ledger, run.dir, STAGE, "0/1"):
+        drafter = load_checkpoint(run.dir / "train" / CHECKPOINT)
+        tmp = out_dir.with_name(f".{SGLANG_DIR}.tmp")
+        write_sglang(drafter, tmp)
+        loaded = load_exported(tmp)
+        for name, tensor in drafter.state_dict().items():
+            if not torch.equal(tensor, loaded.state_dict()[name]):
+                raise ExportError(f"{tmp}: {name} changed in the round trip")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+        digest = hashlib.sha256((out_dir / "model.safetensors").read_bytes()).hexdigest()[:32]
+        ledger.set_units_done(STAGE, 1)
     ledger.complete(STAGE, 1, 0, digest, allow_partial, {"format": "sglang", "path": str(out_dir)})
     return out_dir

@@ -6,9 +6,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagletrain.config import STAGES, Config, config_diff, dump_toml, load_config
+from eagletrain.config import Config, config_diff, dump_toml, load_config
 from eagletrain.errors import ConfigError, GateError
 from eagletrain.ledger import Ledger
+from eagletrain.stages import STAGES
 
 CONFIG_NAME = "config.toml"
 

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagletrain.config import STAGES
 from eagletrain.errors import InputError
 from eagletrain.ledger import LEDGER_NAME, Ledger
+from eagletrain.stages import STAGES
 from eagletrain.worker import pid_alive
 
 STALL_AFTER_S = float(os.environ.get("EAGLETRAIN_STALL_AFTER_S", "30"))

@@ -243,9 +243,7 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
                 }
                 metrics.write(json.dumps(record) + "\n")
                 ledger.set_units_done(STAGE, step)
-                ledger.conn.execute(
-                    "UPDATE workers SET progress_at=? WHERE id=?", (time.time(), worker.id)
-                )
+                worker.progressed()
                 bar.advance(task)
                 inject_delay("train")
         metrics.flush()

@@ -132,6 +132,12 @@ class WorkerSession:
     def sample_now(self) -> None:
         self._beat(self.ledger)
 
+    def progressed(self) -> None:
+        """Note progress on a stage counted in units (steps, prompts) rather than items."""
+        self.ledger.conn.execute(
+            "UPDATE workers SET progress_at=? WHERE id=?", (time.time(), self.id)
+        )
+
     def set_current(self, what: str) -> None:
         self.ledger.conn.execute("UPDATE workers SET current=? WHERE id=?", (what, self.id))
 
