@@ -66,6 +66,7 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float = Field(0.5, gt=0.0)
     norm_before_residual: bool = False
+    checkpoint_every: int = Field(200, ge=0)  # steps between exact-resume checkpoints
     device: str = "auto"
 
 

@@ -27,6 +27,13 @@ from eagletrain.hidden_dataset import HiddenSamples
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
 from eagletrain.target import load_target, pick_device, resolve_target
+from eagletrain.train_state import (
+    Position,
+    load_train_state,
+    remove_older,
+    save_train_state,
+    truncate_metrics,
+)
 from eagletrain.ttt import TargetHead, step_weights, ttt_forward
 from eagletrain.worker import WorkerSession
 
@@ -187,12 +194,17 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
         optimizer, lr_lambda(tc.warmup_steps, total_steps)
     )
     weights = step_weights(tc.ttt_steps, tc.step_weight_decay)
-    ledger.begin_stage(STAGE, "units", total_steps, "steps")
-    ledger.set_units_done(STAGE, 0)
+    train_dir = run.dir / "train"
     metrics_path = run.path("train", "metrics.jsonl")
+    ledger.begin_stage(STAGE, "units", total_steps, "steps")
+    resume = (ledger.stage_row(STAGE) or {}).get("detail", {}).get("resume")
+    position = Position(0, 0, 0)
+    if resume and (train_dir / resume).is_dir():
+        position = load_train_state(train_dir / resume, drafter, optimizer, scheduler)
+    truncate_metrics(metrics_path, position.step)
+    ledger.set_units_done(STAGE, position.step)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    rng = random.Random(cfg.run.seed)
-    step = 0
+    step = position.step
 
     def done_steps(led) -> int:
         return (led.stage_row(STAGE) or {}).get("units_done", 0)
@@ -202,13 +214,16 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
         metrics_path.open("a") as metrics,
         stage_progress() as bar,
     ):
-        task = bar.add_task("train", total=total_steps, unit="steps")
+        task = bar.add_task("train", total=total_steps, completed=step, unit="steps")
         start = time.time()
-        for epoch in range(tc.epochs):
+        for epoch in range(position.epoch, tc.epochs):
+            # each epoch's order depends only on (seed, epoch): a resumed run sees the same
             order = list(range(len(train_data)))
-            rng.shuffle(order)
-            for s in range(0, len(order), tc.batch_size):
-                batch = train_data.batch(order[s : s + tc.batch_size]).to(device, torch.float32)
+            random.Random(cfg.run.seed * 1_000_003 + epoch).shuffle(order)
+            first = position.batch if epoch == position.epoch else 0
+            for b in range(first, steps_per_epoch):
+                indices = order[b * tc.batch_size : (b + 1) * tc.batch_size]
+                batch = train_data.batch(indices).to(device, torch.float32)
                 with torch.no_grad():
                     p, in_vocab = head.distribution(batch.last, draft_ids, drafter.t2d)
                 with autocast:
@@ -244,6 +259,13 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
                 metrics.write(json.dumps(record) + "\n")
                 ledger.set_units_done(STAGE, step)
                 worker.progressed()
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
+                    metrics.flush()
+                    name = save_train_state(
+                        train_dir, Position(step, epoch, b + 1), drafter, optimizer, scheduler
+                    )
+                    ledger.update_detail(STAGE, resume=name)
+                    remove_older(train_dir, name)
                 bar.advance(task)
                 inject_delay("train")
         metrics.flush()

@@ -1,0 +1,53 @@
+"""kill -9 in the middle of training, then resume: the loss curve is the one an
+uninterrupted run produces, step for step (model, optimizer, scheduler, RNG and data
+position all come back from the checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from conftest import cli_env, eagletrain, eagletrain_background, status_json
+from test_kill_resume import _wait_for
+
+
+def _losses(run: Path) -> dict[int, float]:
+    lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r["step"] for r in records if "eval" not in r]
+    assert len(steps) == len(set(steps)), "a step was logged twice"
+    return {r["step"]: r["loss"] for r in records if "eval" not in r}
+
+
+def _prepare(config: Path, run: Path) -> None:
+    for stage in ("data", "extract"):
+        result = eagletrain(stage, config, "--run-dir", run)
+        assert result.returncode == 0, result.stderr
+
+
+def test_kill_during_training_resumes_to_the_same_loss_curve(tiny_config: Path, tmp_path: Path):
+    overrides = ["--set", "train.checkpoint_every=3", "--set", "train.epochs=3"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for run in (straight, killed):
+        _prepare(tiny_config, run)
+    assert eagletrain("train", tiny_config, "--run-dir", straight, *overrides).returncode == 0
+
+    env = cli_env(EAGLETRAIN_FAULT_DELAY="train:0.3")
+    proc = eagletrain_background(
+        "train", tiny_config, "--run-dir", killed, *overrides, env=env, log=tmp_path / "t.log"
+    )
+    try:
+        _wait_for(lambda: status_json(killed)["train"]["done"] >= 7)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert status_json(killed)["train"]["verdict"] == "dead"
+
+    resumed = eagletrain("train", tiny_config, "--run-dir", killed, *overrides)
+    assert resumed.returncode == 0, resumed.stderr
+    expected, got = _losses(straight), _losses(killed)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():
+        assert abs(got[step] - loss) <= 1e-6 * max(1.0, abs(loss)), (step, got[step], loss)
