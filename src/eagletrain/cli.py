@@ -122,6 +122,15 @@ def run(
     typer.echo(f"tau={ev['tau']:.3f}")
 
 
+RepairOpt = Annotated[
+    bool,
+    typer.Option(
+        "--repair",
+        help="extract only: re-extract exactly the samples verify finds bad.",
+    ),
+]
+
+
 def _stage_command(stage: str, sharded: bool):
     def command(
         config: ConfigArg,
@@ -129,14 +138,19 @@ def _stage_command(stage: str, sharded: bool):
         set_: SetOpt = None,
         allow_partial: PartialOpt = False,
         shard: ShardOpt = "0/1",
+        repair: RepairOpt = False,
     ) -> None:
         from eagletrain.pipeline import stage_runners
 
         partition = _partition(shard)
         if partition != (0, 1) and not sharded:
             raise InputError(f"--shard applies to data and extract, not {stage}")
+        if repair and stage != "extract":
+            raise InputError(f"--repair applies to extract, not {stage}")
         r = _open(config, run_dir, set_)
-        result = stage_runners(partition, allow_partial)[stage](r)
+        result = stage_runners(partition, allow_partial, repair)[stage](r)
+        if stage == "extract" and repair:
+            typer.echo(f"repaired {len(result)} samples: {' '.join(result)}")
         if stage == "export":
             from eagletrain.export import serve_commands
 

@@ -123,7 +123,7 @@ def _parsed_objects(path: Path) -> Iterator[tuple[str, Any, str | None]]:
     """(where, object, parse error) for a JSON array file or a JSONL file."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             text = f.read()
     except UnicodeDecodeError as err:
         raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None

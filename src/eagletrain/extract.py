@@ -26,6 +26,7 @@ from eagletrain.shards import (
     ShardReader,
     remove_unfinished,
     sample_checksum,
+    shard_path,
     write_shard,
 )
 from eagletrain.target import (
@@ -39,7 +40,7 @@ from eagletrain.target import (
     template_hash,
     torch_dtype,
 )
-from eagletrain.verify import finalize_items_stage
+from eagletrain.verify import finalize_items_stage, verify_stage
 from eagletrain.worker import WorkerSession
 
 STAGE = "extract"
@@ -73,7 +74,7 @@ class DataSamples:
         row = self.rows[key]
         reader = self._readers.get(row.shard)
         if reader is None:
-            reader = self._readers[row.shard] = ShardReader(self.dir / row.shard)
+            reader = self._readers[row.shard] = ShardReader(shard_path(self.dir, row.shard))
         return (
             reader.rows("input_ids", row.offset, row.tokens),
             reader.rows("loss_mask", row.offset, row.tokens),
@@ -132,10 +133,40 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def run_extract(run: Run, partition: tuple[int, int] = (0, 1), allow_partial: bool = False) -> None:
+def repair(run: Run) -> list[str]:
+    """Reset every sample that verification finds bad to pending; returns their keys."""
+    report = verify_stage(run.dir, run.ledger, STAGE, deep=True)
+    keys = [key for key, _ in report.bad]
+    if keys:
+        run.ledger.revoke_completion(STAGE)
+        run.ledger.reset_items(STAGE, keys)
+    return keys
+
+
+def drop_unreferenced_shards(run: Run) -> None:
+    """Delete shards none of whose samples the ledger still points to (after a repair)."""
+    referenced = run.ledger.referenced_shards(STAGE)
+    cur = run.ledger.conn.execute(
+        "SELECT name FROM shards WHERE stage=? AND state='done'", (STAGE,)
+    )
+    stale = [name for (name,) in cur if name not in referenced]
+    for name in stale:
+        shard_path(run.dir / "hidden", name).unlink(missing_ok=True)
+    run.ledger.forget_shards(STAGE, stale)
+
+
+def run_extract(
+    run: Run,
+    partition: tuple[int, int] = (0, 1),
+    allow_partial: bool = False,
+    repair_bad: bool = False,
+) -> list[str]:
+    """Extract every pending sample of the partition; with repair_bad, first reset the
+    samples verification finds bad. Returns the repaired keys."""
     ledger, cfg = run.ledger, run.config
+    repaired = repair(run) if repair_bad else []
     if ledger.completion(STAGE) is not None:
-        return
+        return repaired
     require_previous(run, STAGE, allow_partial)
     source = resolve_target(cfg.target)
     tmpl = template_hash(load_tokenizer(source))
@@ -169,7 +200,21 @@ def run_extract(run: Run, partition: tuple[int, int] = (0, 1), allow_partial: bo
         unfinished = ledger.unfinished_shards(STAGE, part)
         remove_unfinished(directory, unfinished)
         ledger.forget_shards(STAGE, unfinished)
-        pending = ledger.items(STAGE, "pending", partition)
+        # Batches are formed from the whole partition, then finished ones skipped: a resumed
+        # run computes every sample in the same batch (same shapes) as an uninterrupted one,
+        # so its hidden states are bit-identical. Shards are cut only between batches.
+        lengths = {key: row.tokens for key, row in samples.rows.items()}
+        planned = ledger.items(STAGE, None, partition)
+        batches = [
+            b
+            for b in length_batches(planned, lengths, cfg.extract.batch_tokens)
+            if all(i.state == "pending" for i in b)
+        ]
+        covered = {i.key for b in batches for i in b}
+        # Items reset on their own (--repair) are batched among themselves.
+        leftovers = [i for i in planned if i.state == "pending" and i.key not in covered]
+        batches += length_batches(leftovers, lengths, cfg.extract.batch_tokens)
+        pending = [i for b in batches for i in b]
         buffer: list[tuple[ItemRow, list[torch.Tensor]]] = []
         failed: list[dict[str, Any]] = []
 
@@ -206,8 +251,7 @@ def run_extract(run: Run, partition: tuple[int, int] = (0, 1), allow_partial: bo
 
         with stage_progress() as bar:
             task = bar.add_task("extract", total=len(pending), unit="samples")
-            lengths = {key: row.tokens for key, row in samples.rows.items()}
-            for batch in length_batches(pending, lengths, cfg.extract.batch_tokens):
+            for batch in batches:
                 worker.set_current(batch[0].key)
                 inputs = [samples.get(i.key) for i in batch]
                 outputs = forward_captured(model, [ids for ids, _ in inputs], aux_ids, device)
@@ -233,7 +277,9 @@ def run_extract(run: Run, partition: tuple[int, int] = (0, 1), allow_partial: bo
                 inject_delay("extract")
             flush()
         worker.sample_now()
+    drop_unreferenced_shards(run)
     finalize_items_stage(run.dir, ledger, STAGE, {"aux_layer_ids": aux_ids})
+    return repaired
 
 
 def read_dataset_metadata(run_dir: Path) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from eagletrain.ledger import ItemRow
-from eagletrain.shards import ShardReader
+from eagletrain.shards import ShardReader, shard_path
 
 
 @dataclass
@@ -44,7 +44,7 @@ class HiddenSamples:
 
     def _reader(self, shard: str) -> ShardReader:
         if shard not in self._readers:
-            self._readers[shard] = ShardReader(self.dir / shard)
+            self._readers[shard] = ShardReader(shard_path(self.dir, shard))
         return self._readers[shard]
 
     def tensor(self, i: int, name: str) -> torch.Tensor:

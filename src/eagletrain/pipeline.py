@@ -14,11 +14,11 @@ from eagletrain.train import run_train
 
 
 def stage_runners(
-    partition: tuple[int, int], allow_partial: bool
+    partition: tuple[int, int], allow_partial: bool, repair: bool = False
 ) -> dict[str, Callable[[Run], Any]]:
     return {
         "data": lambda run: run_data(run, partition),
-        "extract": lambda run: run_extract(run, partition, allow_partial),
+        "extract": lambda run: run_extract(run, partition, allow_partial, repair),
         "train": lambda run: run_train(run, allow_partial),
         "export": lambda run: run_export(run, allow_partial),
         "eval": lambda run: run_eval(run, allow_partial),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from eagletrain.faults import write_with_disk_limit
+
 INDEX_KEY = "eagletrain.index"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def shard_path(directory: Path, name: str) -> Path:
+    """A shard's path; a name from the ledger may never point outside its directory."""
+    if not _SAFE_NAME.match(name) or ".." in name:
+        raise ValueError(f"invalid shard name {name!r}")
+    return directory / name
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ def write_shard(
     blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=header)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("wb") as f:
-        f.write(blob)
+        write_with_disk_limit(f, blob, str(tmp))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -89,6 +100,7 @@ class ShardReader:
 def remove_unfinished(directory: Path, names: list[str]) -> None:
     """Delete shards that were being written when a worker died (and their temp files)."""
     for name in names:
-        for path in directory.glob(f".{name}.tmp-*"):
-            path.unlink()
-        (directory / name).unlink(missing_ok=True)
+        path = shard_path(directory, name)
+        for tmp in directory.glob(f".{name}.tmp-*"):
+            tmp.unlink()
+        path.unlink(missing_ok=True)

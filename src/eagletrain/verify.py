@@ -14,7 +14,7 @@ from typing import Any
 
 from eagletrain.errors import VerifyError
 from eagletrain.ledger import ItemRow, Ledger
-from eagletrain.shards import ShardReader, read_index, sample_checksum
+from eagletrain.shards import ShardReader, read_index, sample_checksum, shard_path
 
 # stage -> (directory inside the run, tensors whose rows make up a sample, in checksum order)
 SHARDED_STAGES = {
@@ -120,9 +120,12 @@ def verify_stage(run_dir: Path, ledger: Ledger, stage: str, deep: bool = True) -
         by_shard[item.shard or "?"].append(item)
     sizes = _shard_bytes(ledger, stage)
     for shard, items in sorted(by_shard.items()):
-        report.bad += _check_shard(
-            run_dir / directory / shard, sizes.get(shard), items, names, deep
-        )
+        try:
+            path = shard_path(run_dir / directory, shard)
+        except ValueError as err:
+            report.bad += [(i.key, str(err)) for i in items]
+            continue
+        report.bad += _check_shard(path, sizes.get(shard), items, names, deep)
     if stage == "extract":
         data_tokens = {i.key: i.tokens for i in ledger.items("data", "done")}
         report.bad += [
