@@ -59,6 +59,7 @@ def bare_forward(model, batches, samples, device) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--source", default="sharegpt", help="conversations (default: packaged)")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--dtype", default="float32")
@@ -74,6 +75,7 @@ def main() -> None:
         {
             "target": {"model": args.model, "dtype": args.dtype, "device": args.device},
             "data": {
+                "source": args.source,
                 "limit": args.samples,
                 "max_length": args.max_length,
                 "samples_per_chunk": 256,

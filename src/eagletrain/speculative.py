@@ -26,6 +26,13 @@ class Decoded:
     tokens: list[int]
     seconds: float
     accepted_per_cycle: list[int] = field(default_factory=list)
+    # plain decoding only: top-1 minus top-2 logit at each step (how close to a tie it was)
+    margins: list[float] = field(default_factory=list)
+
+
+def _margin(logits: torch.Tensor) -> float:
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
 
 
 def _cache_argument(model: torch.nn.Module) -> str:
@@ -153,11 +160,27 @@ def greedy_decode(
     start = time.perf_counter()
     target = TargetSession(model, None)
     logits, _ = target.forward(prompt)
-    out = [int(logits[-1].argmax())]
+    out, margins = [int(logits[-1].argmax())], [_margin(logits[-1])]
     while len(out) < max_new and out[-1] not in eos:
         logits, _ = target.forward(out[-1:])
         out.append(int(logits[-1].argmax()))
-    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start)
+        margins.append(_margin(logits[-1]))
+    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, [], margins)
+
+
+# Largest top-2 logit margin still treated as a numerical tie. Greedy speculative decoding
+# is exact in exact arithmetic; in low precision, scoring k+1 tokens in one forward rounds
+# differently from one-at-a-time decoding, so a near-tie can flip (seen on the H200 in bf16).
+TIE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
+
+
+def first_divergence(plain: Decoded, other: Decoded) -> int | None:
+    for i, (a, b) in enumerate(zip(plain.tokens, other.tokens, strict=False)):
+        if a != b:
+            return i
+    if len(plain.tokens) != len(other.tokens):
+        return min(len(plain.tokens), len(other.tokens))
+    return None
 
 
 @torch.inference_mode()
