@@ -26,6 +26,7 @@ from eagletrain.data import run_data
 from eagletrain.extract import (
     DataSamples,
     extract_batches,
+    forward_captured,
     length_batches,
     resolve_aux_ids,
 )
@@ -107,12 +108,30 @@ def main() -> None:
         extract_batches(model, batches, samples, aux_ids, store, writer)
         sync(device)
 
+    captured: list = []
+
+    def capture_only() -> None:
+        captured.clear()
+        for batch in batches:
+            inputs = [samples.get(i.key) for i in batch]
+            captured.append(forward_captured(model, batch, inputs, aux_ids, store))
+        sync(device)
+
+    def write_only() -> None:
+        run.ledger.reset_items("extract", [i.key for i in planned])
+        writer = ShardWriter(run.dir, "extract", "0/1", "shard-bench", {}, "bench", 64)
+        for c in captured:
+            writer.put(c)
+        writer.close()
+
     bare_forward(model, batches[:2], samples, device)  # warm-up
     full()
-    times: dict[str, list[float]] = {"bare": [], "full": []}
+    times: dict[str, list[float]] = {"bare": [], "full": [], "capture": [], "write": []}
     for _ in range(args.repeats):
         for name, fn in (
             ("bare", lambda: bare_forward(model, batches, samples, device)),
+            ("capture", capture_only),
+            ("write", write_only),
             ("full", full),
         ):
             start = time.perf_counter()
@@ -133,6 +152,11 @@ def main() -> None:
         f"{tokens / full_s:>11.0f} {stored / tokens:>9.0f} {bare / full_s:>6.3f}"
     )
     shutil.rmtree(out, ignore_errors=True)
+    cap, wri = statistics.median(times["capture"]), statistics.median(times["write"])
+    print(
+        f"breakdown: capture-only (forward+hooks+pack+D2H) {tokens / cap:.0f} tok/s, "
+        f"write-only (checksums+shards+ledger) {tokens / wri:.0f} tok/s"
+    )
     print(f"extract_ratio={bare / full_s:.3f}")
 
 

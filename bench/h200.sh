@@ -14,7 +14,7 @@ M="/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA="${DATA:-$PWD/.carry/c/sharegpt_2500.jsonl.gz}"
 PROMPTS="${PROMPTS:-$PWD/.carry/c/question.jsonl}"
 start=$(date +%s)
-python3 -m eagletrain run configs/smollm2-demo.toml --run-dir /tmp/demo \
+[ -n "${SKIP_DEMO:-}" ] || python3 -m eagletrain run configs/smollm2-demo.toml --run-dir /tmp/demo \
   --set target.model="$M" --set target.dtype=bfloat16 --set data.source="$DATA" \
   --set eval.dataset="$PROMPTS" 2>&1 | grep -v "━" | tee $OUT/demo.log
 echo "demo_wall_s=$(( $(date +%s) - start ))" | tee -a $OUT/demo.log
@@ -29,6 +29,6 @@ cp /tmp/demo/eval/results.json $OUT/demo_eval.json 2>/dev/null
 cp /tmp/demo/train/metrics.jsonl $OUT/demo_metrics.jsonl 2>/dev/null
 for out in /tmp /dev/shm; do
   python3 bench/extract.py --model "$M" --source "$DATA" --dtype bfloat16 --samples 1536 --max-length 1024 \
-    --batch-tokens 32768 --out $out --repeats 3 2>&1 | grep -v -i "warn\|Loading\|━" | tail -4 \
+    --batch-tokens 32768 --out $out --repeats 3 2>&1 | grep -v -i "warn\|Loading\|━" | tail -5 \
     | tee -a $OUT/extract.log
 done

@@ -31,6 +31,10 @@ def inject_delay(stage: str) -> None:
         time.sleep(seconds)
 
 
+def disk_limit_active() -> bool:
+    return "EAGLETRAIN_FAULT_DISK_BYTES" in os.environ
+
+
 def write_with_disk_limit(f: BinaryIO, blob: bytes, path: str) -> None:
     global _written
     limit = os.environ.get("EAGLETRAIN_FAULT_DISK_BYTES")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
+from safetensors.torch import save, save_file
 
-from eagletrain.faults import write_with_disk_limit
+from eagletrain.faults import disk_limit_active, write_with_disk_limit
 
 INDEX_KEY = "eagletrain.index"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -43,7 +43,8 @@ class IndexEntry:
 def sample_checksum(tensors: list[torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for t in tensors:
-        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        # hash the tensor's memory in place (no copy); hashlib releases the GIL for it
+        digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
     return digest.hexdigest()[:32]
 
 
@@ -59,19 +60,20 @@ def write_shard(
     path: Path, tensors: dict[str, torch.Tensor], index: list[IndexEntry], meta: dict[str, object]
 ) -> int:
     """Write atomically; returns the file size in bytes."""
-    header = {
-        **{k: str(v) for k, v in meta.items()},
-        INDEX_KEY: json.dumps([e.__dict__ for e in index]),
-    }
-    blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=header)
+    header = {k: str(v) for k, v in meta.items()}
+    header[INDEX_KEY] = json.dumps([e.__dict__ for e in index])
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as f:
-        write_with_disk_limit(f, blob, str(tmp))
-        f.flush()
+    if disk_limit_active():
+        with tmp.open("wb") as f:
+            write_with_disk_limit(f, save(tensors, metadata=header), str(tmp))
+    else:
+        save_file(tensors, tmp, metadata=header)  # serialised straight to the file
+    with tmp.open("rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-    return len(blob)
+    return path.stat().st_size
 
 
 def read_index(path: Path) -> list[IndexEntry]:
