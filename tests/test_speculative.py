@@ -104,3 +104,15 @@ def test_perfect_drafts_give_tau_k_plus_one(target):
 def test_tau_and_per_position_definitions():
     assert pooled_tau([0, 1, 3]) == (1 + 2 + 4) / 3
     assert per_position_acceptance([0, 1, 3], 3) == [2 / 3, 1 / 3, 1 / 3]
+
+
+def test_first_divergence_and_tie_tolerances():
+    from eagletrain.speculative import TIE_TOLERANCE, Decoded, first_divergence
+
+    plain = Decoded([1, 2, 3, 4], 0.0, [], [2.0, 0.0, 1.0, 3.0])
+    assert first_divergence(plain, Decoded([1, 2, 3, 4], 0.0)) is None
+    assert first_divergence(plain, Decoded([1, 5, 3, 4], 0.0)) == 1
+    assert first_divergence(plain, Decoded([1, 2], 0.0)) == 2
+    assert (
+        TIE_TOLERANCE[torch.float64] < TIE_TOLERANCE[torch.float32] < TIE_TOLERANCE[torch.bfloat16]
+    )
