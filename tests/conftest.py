@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,10 @@ def eagletrain_background(*args: str, env: dict[str, str], log: Path) -> subproc
 
 
 def status_json(run_dir: Path, **env: str) -> dict[str, dict]:
+    """`eagletrain status --json`, which must answer in under a second whatever is running."""
+    start = time.perf_counter()
     result = eagletrain("status", run_dir, "--json", env=cli_env(**env))
+    elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
+    assert elapsed < 1.0, f"status took {elapsed:.2f}s"
     return {s["stage"]: s for s in json.loads(result.stdout)}

@@ -59,11 +59,39 @@ def test_disk_full_mid_extract_then_clean_resume(extracted, tmp_path: Path):
     check = eagletrain("verify", run, "--stage", "extract")
     assert check.returncode == 0, check.stdout
     assert f"unfinished: {st['total'] - st['done']} pending" in check.stdout
-    # a partial temp file was left by the failed write; the resume removes it
-    assert list((run / "hidden").glob(".*.tmp-*"))
+    assert not list((run / "hidden").glob(".*.tmp-*"))  # the partial write was removed
     resumed = eagletrain("extract", config, "--run-dir", run)
     assert resumed.returncode == 0, resumed.stderr
     assert not list((run / "hidden").glob(".*.tmp-*"))
+    assert _checksums(run, "extract") == _checksums(reference, "extract")
+
+
+def test_real_full_filesystem_mid_extract_then_resume(extracted, tmp_path: Path):
+    """A real ENOSPC: a 700 KB tmpfs mounted over the run's hidden/ (needs root)."""
+    config, reference = extracted
+    run = tmp_path / "run"
+    assert eagletrain("data", config, "--run-dir", run).returncode == 0
+    hidden = run / "hidden"
+    hidden.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(hidden)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        full = eagletrain("extract", config, "--run-dir", run)
+        assert full.returncode == 7, full.stderr
+        assert full.stderr.startswith("error: disk full:") and len(full.stderr.splitlines()) == 1
+        st = status_json(run)["extract"]
+        assert st["verdict"] == "failed" and 0 < st["done"] < st["total"]
+        assert eagletrain("verify", run, "--stage", "extract").returncode == 0
+        kept = {p.name: p.read_bytes() for p in hidden.iterdir()}
+    finally:
+        subprocess.run(["umount", str(hidden)], check=True)
+    for name, blob in kept.items():  # "space is freed": the same files on a roomy disk
+        (hidden / name).write_bytes(blob)
+    resumed = eagletrain("extract", config, "--run-dir", run)
+    assert resumed.returncode == 0, resumed.stderr
     assert _checksums(run, "extract") == _checksums(reference, "extract")
 
 

@@ -8,10 +8,12 @@ the stage deletes by name (no directory listing), never a "done" row without dat
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,13 +66,23 @@ def write_shard(
     header[INDEX_KEY] = json.dumps([e.__dict__ for e in index])
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if disk_limit_active():
-        with tmp.open("wb") as f:
-            write_with_disk_limit(f, save(tensors, metadata=header), str(tmp))
-    else:
-        save_file(tensors, tmp, metadata=header)  # serialised straight to the file
-    with tmp.open("rb+") as f:
-        os.fsync(f.fileno())
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    try:
+        if disk_limit_active():
+            with tmp.open("wb") as f:
+                write_with_disk_limit(f, save(tensors, metadata=header), str(tmp))
+        else:
+            save_file(tensors, tmp, metadata=header)  # serialised straight to the file
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+    except Exception as err:
+        tmp.unlink(missing_ok=True)  # free what the partial file took
+        if isinstance(err, OSError):
+            raise
+        # safetensors' writer reports a full disk as its own error type, not OSError
+        if shutil.disk_usage(path.parent).free < needed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path.stat().st_size
