@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_drafter import tiny_drafter
 
-from eagletrain.export import ExportError, load_exported, write_sglang
+from eagletrain.export import ExportError, load_exported, write_format
 
 SGLANG_TENSORS = {
     "fc.weight",
@@ -27,7 +27,7 @@ SGLANG_TENSORS = {
 
 def test_sglang_export_round_trips_with_the_documented_names(tmp_path):
     drafter, _ = tiny_drafter()
-    write_sglang(drafter, tmp_path)
+    write_format(drafter, tmp_path, "sglang", "target")
     assert set(load_file(tmp_path / "model.safetensors")) == SGLANG_TENSORS
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -42,7 +42,7 @@ def test_sglang_export_round_trips_with_the_documented_names(tmp_path):
 
 def test_a_renamed_tensor_fails_loudly(tmp_path):
     drafter, _ = tiny_drafter()
-    write_sglang(drafter, tmp_path)
+    write_format(drafter, tmp_path, "sglang", "target")
     state = load_file(tmp_path / "model.safetensors")
     state["layers.0.mlp.up_proj.weight"] = state.pop("midlayer.mlp.up_proj.weight")
     save_file(state, tmp_path / "model.safetensors")
@@ -52,9 +52,43 @@ def test_a_renamed_tensor_fails_loudly(tmp_path):
 
 def test_a_config_that_disagrees_with_the_tensors_fails(tmp_path):
     drafter, _ = tiny_drafter()
-    write_sglang(drafter, tmp_path)
+    write_format(drafter, tmp_path, "sglang", "target")
     config = json.loads((tmp_path / "config.json").read_text())
     config["draft_vocab_size"] = 21
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match=r"(d2t|lm_head.weight) has shape"):
+        load_exported(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_vllm_formats_convert_layer_ids_and_round_trip(tmp_path, fmt):
+    drafter, _ = tiny_drafter()  # aux ids [1, 3, 4]: outputs of layers 1, 3, 4
+    write_format(drafter, tmp_path, fmt, "org/target")
+    config = json.loads((tmp_path / "config.json").read_text())
+    # vLLM reads input-of-layer ids at the top level: the same layers are [2, 4, 5]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert "eagle_config" not in config
+    names = set(load_file(tmp_path / "model.safetensors"))
+    if fmt == "speculators":
+        assert config["architectures"] == ["Eagle3Speculator"]
+        assert config["speculators_model_type"] == "eagle3"
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+        assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+        assert config["draft_vocab_size"] == 20 and config["norm_before_residual"] is False
+        assert names == {n.replace("midlayer.", "layers.0.") for n in SGLANG_TENSORS}
+    else:
+        assert names == SGLANG_TENSORS
+    loaded = load_exported(tmp_path)
+    assert list(loaded.config.eagle_aux_layer_ids) == [1, 3, 4]
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(tensor.to(loaded.state_dict()[name].dtype), loaded.state_dict()[name])
+
+
+def test_missing_layer_ids_are_refused_not_defaulted(tmp_path):
+    drafter, _ = tiny_drafter()
+    write_format(drafter, tmp_path, "vllm", "target")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="no explicit aux layer ids"):
         load_exported(tmp_path)

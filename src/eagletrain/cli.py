@@ -111,7 +111,11 @@ def run(
     start = time.time()
     results = run_all(r, allow_partial)
     ev = results["eval"]
-    typer.echo(f"export: {r.dir / 'export' / 'sglang'}")
+    from eagletrain.export import serve_commands
+
+    typer.echo(f"export: {r.dir / 'export'} (sglang, vllm, speculators)")
+    for line in serve_commands(r.dir / "export", r.config.target.model, r.config.eval.draft_steps):
+        typer.echo(f"serve with {line}")
     typer.echo(
         f"pipeline finished in {time.time() - start:.0f}s; "
         f"`eagletrain status {r.dir}` shows every stage"
@@ -154,9 +158,9 @@ def _stage_command(stage: str, sharded: bool):
         if stage == "export":
             from eagletrain.export import serve_commands
 
-            typer.echo(f"export: {result}")
-            for line in serve_commands(result, r.config.target.model):
-                typer.echo(f"serve: {line}")
+            typer.echo(f"export: {result} ({', '.join(p.name for p in sorted(result.iterdir()))})")
+            for line in serve_commands(result, r.config.target.model, r.config.eval.draft_steps):
+                typer.echo(f"serve with {line}")
         elif stage == "eval":
             typer.echo(f"tau={result['tau']:.3f}")
         from eagletrain.status import format_line, stage_status

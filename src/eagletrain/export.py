@@ -1,9 +1,18 @@
-"""Stage 4a, export: the SGLang/EAGLE checkpoint format, round-tripped before it counts.
+"""Stage 4a, export: checkpoints that SGLang and vLLM load, each round-tripped before it counts.
 
-SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` as "output of layer k"
-(it captures the residual stream before layer k+1), which is eagletrain's own convention,
-so the ids are written unchanged. A key that does not match on load would silently give
-random weights in an engine (speculators#1114): `load_exported` fails on any mismatch.
+Formats (tensors are the drafter's state_dict, renamed where a format says so):
+
+- `sglang`: LlamaForCausalLMEagle3, decoder layer `midlayer.*`, aux layer ids in
+  `eagle_config.eagle_aux_hidden_state_layer_ids` as output-of-layer-k (ours, unchanged).
+- `vllm`: the same tensors (vLLM remaps `midlayer.` to `layers.0.`), aux ids in a top-level
+  `eagle_aux_hidden_state_layer_ids` in vLLM's input-of-layer convention = ours + 1.
+- `speculators`: Eagle3Speculator, `layers.0.*`, `transformer_layer_config`,
+  `speculators_config`, top-level aux ids in vLLM's convention = ours + 1.
+
+vLLM falls back to its default layers when the ids are missing (acceptance ~1%, a known
+trap), so every format writes them explicitly. A key that does not match on load would
+silently give random weights in an engine (speculators#1114): `load_exported` fails on any
+missing, unexpected or mis-shaped tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from eagletrain.worker import WorkerSession
 
 STAGE = "export"
 SGLANG_DIR = "sglang"
+FORMATS = ("sglang", "vllm", "speculators")
 
 
 class ExportError(EagletrainError):
@@ -35,47 +45,107 @@ class ExportError(EagletrainError):
     exit_code = 6
 
 
-def sglang_config(drafter: Eagle3Drafter) -> dict[str, Any]:
+def to_vllm_layer_ids(ids: list[int]) -> list[int]:
+    """Ours / SGLang: id k = output of layer k. vLLM: id k+1 = input of layer k+1 (same state)."""
+    return [i + 1 for i in ids]
+
+
+def from_vllm_layer_ids(ids: list[int]) -> list[int]:
+    return [i - 1 for i in ids]
+
+
+def _layer_config(drafter: Eagle3Drafter) -> dict[str, Any]:
     cfg = drafter.config.to_dict()
-    aux = list(cfg.pop("eagle_aux_layer_ids"))
-    for key in ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+    for key in (
+        "architectures",
+        "transformers_version",
+        "_name_or_path",
+        "dtype",
+        "torch_dtype",
+        "eagle_aux_layer_ids",
+    ):
         cfg.pop(key, None)
-    return {
-        **cfg,
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "torch_dtype": "float32",
-        "eagle_config": {
+    return {**cfg, "model_type": "llama", "num_hidden_layers": 1}
+
+
+def export_config(drafter: Eagle3Drafter, fmt: str, target: str) -> dict[str, Any]:
+    aux = list(drafter.config.eagle_aux_layer_ids)
+    layer = _layer_config(drafter)
+    if fmt == "speculators":
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": layer["draft_vocab_size"],
+            "target_hidden_size": layer["target_hidden_size"],
+            "norm_before_residual": layer["norm_before_residual"],
+            "eagle_aux_hidden_state_layer_ids": to_vllm_layer_ids(aux),
+            "embed_requires_grad": False,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": target, "architectures": ["LlamaForCausalLM"]},
+            },
+        }
+    config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "torch_dtype": "float32"}
+    if fmt == "sglang":
+        config["eagle_config"] = {
             "eagle_aux_hidden_state_layer_ids": aux,
             "use_aux_hidden_state": True,
-            "use_input_layernorm_in_first_layer": True,
-            "use_last_layernorm": True,
-        },
-    }
+        }
+    else:
+        config["eagle_aux_hidden_state_layer_ids"] = to_vllm_layer_ids(aux)
+    return config
 
 
-def write_sglang(drafter: Eagle3Drafter, directory: Path) -> None:
+def _rename(state: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
+    return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
+
+
+def write_format(drafter: Eagle3Drafter, directory: Path, fmt: str, target: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if fmt == "speculators":
+        state = _rename(state, "midlayer.", "layers.0.")
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(sglang_config(drafter), indent=2))
+    config = export_config(drafter, fmt, target)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _read_config(config_path: Path) -> tuple[str, dict[str, Any], list[int] | None]:
+    """(format, drafter LlamaConfig fields, aux ids in our convention) of an exported dir."""
+    raw = json.loads(config_path.read_text())
+    if raw.get("architectures") == ["Eagle3Speculator"]:
+        ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        return (
+            "speculators",
+            dict(raw["transformer_layer_config"]),
+            (from_vllm_layer_ids(ids) if ids else None),
+        )
+    if "eagle_config" in raw:
+        eagle = raw.pop("eagle_config")
+        return "sglang", raw, eagle.get("eagle_aux_hidden_state_layer_ids")
+    ids = raw.pop("eagle_aux_hidden_state_layer_ids", None)
+    return "vllm", raw, from_vllm_layer_ids(ids) if ids else None
 
 
 def load_exported(directory: Path) -> Eagle3Drafter:
-    """Build a drafter from an exported directory; any missing or unexpected tensor, or a
-    shape that disagrees with the config, is an error naming it."""
+    """Build a drafter from an exported directory (any format); any missing, unexpected or
+    mis-shaped tensor, or missing convention field, is an error naming it."""
     config_path, weights_path = directory / "config.json", directory / "model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
         raise InputError(f"{directory}: not an exported drafter (config.json, model.safetensors)")
-    raw = json.loads(config_path.read_text())
-    eagle = raw.pop("eagle_config", {})
-    raw["eagle_aux_layer_ids"] = eagle.get("eagle_aux_hidden_state_layer_ids")
-    for key in ("draft_vocab_size", "target_hidden_size"):
-        if key not in raw:
+    fmt, fields, aux = _read_config(config_path)
+    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual"):
+        if key not in fields:
             raise ExportError(f"{config_path}: missing {key}")
-    drafter = Eagle3Drafter(LlamaConfig(**raw))
+    if not aux or len(aux) != 3:
+        raise ExportError(f"{config_path}: no explicit aux layer ids ({fmt} format)")
+    drafter = Eagle3Drafter(LlamaConfig(**{**fields, "eagle_aux_layer_ids": aux}))
     state = load_file(weights_path)
+    if fmt == "speculators":
+        state = _rename(state, "layers.0.", "midlayer.")
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -101,34 +171,52 @@ def load_checkpoint(directory: Path) -> Eagle3Drafter:
     return drafter
 
 
-def serve_commands(export_dir: Path, target: str) -> list[str]:
-    d = export_dir.resolve()
+def serve_commands(export_root: Path, target: str, steps: int = 3) -> list[str]:
+    root = export_root.resolve()
     return [
-        f"python -m sglang.launch_server --model-path {target} "
-        f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {d} "
-        "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+        f"sglang: python -m sglang.launch_server --model-path {target} "
+        f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {root / 'sglang'} "
+        f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {steps + 1}",
+        f"vllm: vllm serve {target} --speculative-config "
+        f'\'{{"method": "eagle3", "model": "{root / "vllm"}", '
+        f'"num_speculative_tokens": {steps}}}\'',
+        f"vllm (speculators format): vllm serve {target} --speculative-config "
+        f'\'{{"method": "eagle3", "model": "{root / "speculators"}", '
+        f'"num_speculative_tokens": {steps}}}\'',
     ]
+
+
+def _round_trip(drafter: Eagle3Drafter, directory: Path) -> None:
+    loaded = load_exported(directory)
+    if list(loaded.config.eagle_aux_layer_ids) != list(drafter.config.eagle_aux_layer_ids):
+        raise ExportError(f"{directory}: aux layer ids changed in the round trip")
+    for name, tensor in drafter.state_dict().items():
+        if not torch.equal(tensor, loaded.state_dict()[name]):
+            raise ExportError(f"{directory}: {name} changed in the round trip")
 
 
 def run_export(run: Run, allow_partial: bool = False) -> Path:
     ledger = run.ledger
-    out_dir = run.dir / "export" / SGLANG_DIR
+    root = run.dir / "export"
     if ledger.completion(STAGE) is not None:
-        return out_dir
+        return root
     require_previous(run, STAGE, allow_partial)
-    ledger.begin_stage(STAGE, "units", 1, "checkpoints")
+    ledger.begin_stage(STAGE, "units", len(FORMATS), "formats")
+    digests = {}
     with WorkerSession(ledger, run.dir, STAGE, "0/1"):
         drafter = load_checkpoint(run.dir / "train" / CHECKPOINT)
-        tmp = out_dir.with_name(f".{SGLANG_DIR}.tmp")
-        write_sglang(drafter, tmp)
-        loaded = load_exported(tmp)
-        for name, tensor in drafter.state_dict().items():
-            if not torch.equal(tensor, loaded.state_dict()[name]):
-                raise ExportError(f"{tmp}: {name} changed in the round trip")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-        digest = hashlib.sha256((out_dir / "model.safetensors").read_bytes()).hexdigest()[:32]
-        ledger.set_units_done(STAGE, 1)
-    ledger.complete(STAGE, 1, 0, digest, allow_partial, {"format": "sglang", "path": str(out_dir)})
-    return out_dir
+        for done, fmt in enumerate(FORMATS, 1):
+            out_dir, tmp = root / fmt, root / f".{fmt}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_format(drafter, tmp, fmt, run.config.target.model)
+            _round_trip(drafter, tmp)
+            shutil.rmtree(out_dir, ignore_errors=True)
+            os.replace(tmp, out_dir)
+            digests[fmt] = hashlib.sha256((out_dir / "model.safetensors").read_bytes()).hexdigest()
+            ledger.set_units_done(STAGE, done)
+    digest = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:32]
+    ledger.complete(
+        STAGE, len(FORMATS), 0, digest, allow_partial, {"formats": list(FORMATS), "path": str(root)}
+    )
+    return root
