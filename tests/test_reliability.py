@@ -79,7 +79,11 @@ def test_real_full_filesystem_mid_extract_then_resume(extracted, tmp_path: Path)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        full = eagletrain("extract", config, "--run-dir", run)
+        refused = eagletrain("extract", config, "--run-dir", run)
+        assert refused.returncode == 7  # the size estimate does not fit: refused up front
+        assert "extract needs ~" in refused.stderr and "GB free" in refused.stderr
+        assert status_json(run)["extract"]["done"] == 0
+        full = eagletrain("extract", config, "--run-dir", run, "--set", "extract.check_space=false")
         assert full.returncode == 7, full.stderr
         assert full.stderr.startswith("error: disk full:") and len(full.stderr.splitlines()) == 1
         st = status_json(run)["extract"]
@@ -90,8 +94,40 @@ def test_real_full_filesystem_mid_extract_then_resume(extracted, tmp_path: Path)
         subprocess.run(["umount", str(hidden)], check=True)
     for name, blob in kept.items():  # "space is freed": the same files on a roomy disk
         (hidden / name).write_bytes(blob)
-    resumed = eagletrain("extract", config, "--run-dir", run)
+    resumed = eagletrain("extract", config, "--run-dir", run, "--set", "extract.check_space=false")
     assert resumed.returncode == 0, resumed.stderr
+    assert _checksums(run, "extract") == _checksums(reference, "extract")
+
+
+def test_two_shard_workers_in_parallel_make_the_same_dataset_as_one(extracted, tmp_path):
+    config, reference = extracted
+    run = tmp_path / "run"
+    assert eagletrain("data", config, "--run-dir", run).returncode == 0
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eagletrain",
+                "extract",
+                str(config),
+                "--run-dir",
+                str(run),
+                "--shard",
+                f"{i}/2",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(),
+        )
+        for i in range(2)
+    ]
+    for w in workers:
+        assert w.wait(timeout=300) == 0, w.stderr.read()
+    stages = status_json(run)
+    assert stages["extract"]["verdict"] == "done"
+    assert {w["partition"] for w in stages["extract"]["workers"]} == {"0/2", "1/2"}
     assert _checksums(run, "extract") == _checksums(reference, "extract")
 
 

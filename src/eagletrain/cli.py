@@ -36,7 +36,14 @@ PartialOpt = Annotated[
         help="Start even if the previous stage is incomplete (recorded in the ledger).",
     ),
 ]
-ShardOpt = Annotated[str, typer.Option("--shard", help="Work on partition i of N (i/N, 0-based).")]
+ShardOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--shard",
+        help="Work on partition i of N (i/N, 0-based); under torchrun "
+        "the default is RANK/WORLD_SIZE.",
+    ),
+]
 
 
 def _quiet_libraries() -> None:
@@ -77,7 +84,11 @@ def _guarded(fn):
     return wrapper
 
 
-def _partition(text: str) -> tuple[int, int]:
+def _partition(text: str | None) -> tuple[int, int]:
+    """--shard i/N, else a torchrun rank (RANK/WORLD_SIZE), else the whole stage."""
+    if text is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return (int(os.environ.get("RANK", "0")), world) if world > 1 else (0, 1)
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
@@ -141,7 +152,7 @@ def _stage_command(stage: str, sharded: bool):
         run_dir: RunDirOpt = None,
         set_: SetOpt = None,
         allow_partial: PartialOpt = False,
-        shard: ShardOpt = "0/1",
+        shard: ShardOpt = None,
         repair: RepairOpt = False,
     ) -> None:
         from eagletrain.pipeline import stage_runners

@@ -54,6 +54,8 @@ class ExtractConfig(Section):
     store_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     batch_tokens: int = Field(4096, ge=1)
     samples_per_shard: int = Field(64, ge=1)
+    # refuse to start when the estimated shards do not fit the free disk
+    check_space: bool = True
 
 
 class TrainConfig(Section):

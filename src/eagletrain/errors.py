@@ -31,3 +31,9 @@ class VerifyError(EagletrainError):
     """Verification found missing or corrupt items."""
 
     exit_code = 5
+
+
+class DiskSpaceError(EagletrainError):
+    """The output would not fit the free disk."""
+
+    exit_code = 7

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagletrain.errors import ConfigError, InputError
+from eagletrain.errors import ConfigError, DiskSpaceError, InputError
 from eagletrain.faults import inject_delay
 from eagletrain.ledger import ItemRow
 from eagletrain.progress import stage_progress
@@ -58,6 +59,34 @@ def length_batches(
         else:
             batches.append([item])
     return batches
+
+
+def partition_batches(
+    planned: list[ItemRow],
+    lengths: dict[str, int],
+    batch_tokens: int,
+    partition: tuple[int, int],
+) -> list[list[ItemRow]]:
+    """This worker's pending batches. Batches are formed over *all* planned samples and then
+    dealt to partitions (batch j to partition j % N), and finished batches are skipped; shards
+    are cut only between batches. So every sample is computed in the same batch (same shapes)
+    whether one worker or N do the work, and whether or not a run was killed and resumed:
+    the hidden states are bit-identical. Samples reset on their own (--repair) are batched
+    among themselves, by sample order."""
+    index, count = partition
+    whole = [
+        (j, b)
+        for j, b in enumerate(length_batches(planned, lengths, batch_tokens))
+        if all(i.state == "pending" for i in b)
+    ]
+    mine = [b for j, b in whole if j % count == index]
+    in_whole = {i.key for _, b in whole for i in b}
+    leftovers = [
+        i
+        for i in planned
+        if i.state == "pending" and i.key not in in_whole and i.ord % count == index
+    ]
+    return mine + length_batches(leftovers, lengths, batch_tokens)
 
 
 class DataSamples:
@@ -181,6 +210,24 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def check_space(run: Run, model: torch.nn.Module, store_dtype: torch.dtype, tokens: int) -> None:
+    """Print the size estimate, and refuse to start when it cannot fit the free disk."""
+    hidden = model.config.hidden_size
+    per_token = 4 * hidden * torch.finfo(store_dtype).bits // 8 + 5  # aux+last, ids, mask
+    needed = per_token * tokens
+    free = shutil.disk_usage(run.dir / "hidden").free
+    print(
+        f"extract: {tokens:,} tokens x {per_token:,} bytes/token = {needed / 1e9:.2f} GB; "
+        f"{free / 1e9:.2f} GB free at {run.dir / 'hidden'}"
+    )
+    if run.config.extract.check_space and needed > free:
+        raise DiskSpaceError(
+            f"extract needs ~{needed / 1e9:.2f} GB for {tokens:,} tokens but "
+            f"{run.dir / 'hidden'} has {free / 1e9:.2f} GB free; free space or set "
+            f"extract.check_space=false"
+        )
+
+
 def repair(run: Run) -> list[str]:
     """Reset every sample that verification finds bad to pending; returns their keys."""
     report = verify_stage(run.dir, run.ledger, STAGE, deep=True)
@@ -248,21 +295,14 @@ def run_extract(
         unfinished = ledger.unfinished_shards(STAGE, part)
         remove_unfinished(directory, unfinished)
         ledger.forget_shards(STAGE, unfinished)
-        # Batches are formed from the whole partition, then finished ones skipped: a resumed
-        # run computes every sample in the same batch (same shapes) as an uninterrupted one,
-        # so its hidden states are bit-identical. Shards are cut only between batches.
-        lengths = {key: row.tokens for key, row in samples.rows.items()}
-        planned = ledger.items(STAGE, None, partition)
-        batches = [
-            b
-            for b in length_batches(planned, lengths, cfg.extract.batch_tokens)
-            if all(i.state == "pending" for i in b)
-        ]
-        covered = {i.key for b in batches for i in b}
-        # Items reset on their own (--repair) are batched among themselves.
-        leftovers = [i for i in planned if i.state == "pending" and i.key not in covered]
-        batches += length_batches(leftovers, lengths, cfg.extract.batch_tokens)
+        batches = partition_batches(
+            ledger.items(STAGE),
+            {k: r.tokens for k, r in samples.rows.items()},
+            cfg.extract.batch_tokens,
+            partition,
+        )
         pending = [i for b in batches for i in b]
+        check_space(run, model, store_dtype, sum(samples.rows[i.key].tokens for i in pending))
         writer = ShardWriter(
             run.dir, STAGE, part, prefix, meta, worker.id, cfg.extract.samples_per_shard
         )

@@ -12,6 +12,8 @@ from eagletrain.ledger import Ledger
 from eagletrain.stages import STAGES
 
 CONFIG_NAME = "config.toml"
+# Keys that say how to run, not what the run is: they may change when a run is reopened.
+OPERATIONAL_KEYS = {"target.device", "train.device", "eval.device", "extract.check_space"}
 
 
 @dataclass
@@ -43,7 +45,11 @@ def open_run(config: Config, run_dir: Path | None) -> Run:
     if config_path.is_file():
         previous = load_config(config_path)
         started = {s for s in STAGES if ledger.stage_row(s) is not None}
-        conflicts = [k for k in config_diff(previous, config) if k.split(".")[0] in started]
+        conflicts = [
+            k
+            for k in config_diff(previous, config)
+            if k.split(".")[0] in started and k not in OPERATIONAL_KEYS
+        ]
         if conflicts:
             raise ConfigError(
                 f"{config_path}: this run already started with different values for "

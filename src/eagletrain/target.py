@@ -39,8 +39,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def pick_device(name: str) -> torch.device:
+    """ "auto": this process's GPU (LOCAL_RANK under torchrun), else the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(name)
 
 
