@@ -1,0 +1,96 @@
+"""The TTT loss and its metrics against a slow reference written plainly: loops over
+(sample, index, step), the drafter run as cached chain decoding, the target distribution
+and masks computed position by position from the definitions in ttt.py's docstring."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from test_drafter import tiny_drafter
+
+from eagletrain.drafter import DraftKVCache
+from eagletrain.ttt import TargetHead, step_weights, ttt_forward
+
+
+def reference(drafter, embed, head, aux, ids, loss_mask, steps, weights):
+    draft_ids = drafter.target_ids()
+    b_size, t = ids.shape
+    sums = [[0.0, 0, 0, 0, 0] for _ in range(steps)]  # loss, count, correct, chain_ok, chain_n
+    for b in range(b_size):
+        full = head.lm_head @ (head.norm_weight * last_normed(head, LAST[b])).T  # [V, T]
+        for i in range(t):
+            cache, out, chain = DraftKVCache(), None, True
+            for k in range(steps):
+                if i + 2 + k >= t:
+                    break
+                if k == 0:
+                    out = drafter.step_cached(
+                        drafter.fc(aux[b : b + 1, : i + 1]),
+                        embed(ids[b : b + 1, 1 : i + 2]),
+                        torch.arange(i + 1)[None],
+                        cache,
+                    )[:, -1:]
+                else:
+                    out = drafter.step_cached(
+                        out,
+                        embed(ids[b : b + 1, i + 1 + k : i + 2 + k]),
+                        torch.tensor([[i + k]]),
+                        cache,
+                    )
+                logits = full[:, i + 1 + k]
+                counted = bool(loss_mask[b, i + 2 + k]) and bool(drafter.t2d[int(logits.argmax())])
+                if not counted:
+                    chain = False
+                    continue
+                p = torch.softmax(logits[draft_ids], dim=0)
+                q = torch.log_softmax(drafter.logits(out)[0, 0], dim=0)
+                correct = int(q.argmax()) == int(p.argmax())
+                sums[k][0] += float(-(p * q).sum())
+                sums[k][1] += 1
+                sums[k][2] += correct
+                sums[k][3] += chain and correct
+                sums[k][4] += chain
+                chain = chain and correct
+    step_loss = [s[0] / max(s[1], 1) for s in sums]
+    loss = sum(w * x for w, x in zip(weights, step_loss, strict=True))
+    acc = [s[2] / max(s[1], 1) for s in sums]
+    cond = [s[3] / max(s[4], 1) for s in sums]
+    return loss, step_loss, acc, cond
+
+
+def last_normed(head: TargetHead, last: torch.Tensor) -> torch.Tensor:
+    return last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + head.norm_eps)
+
+
+LAST: torch.Tensor
+
+
+def test_ttt_loss_and_metrics_equal_the_slow_reference():
+    global LAST
+    drafter, embed = tiny_drafter(seed=4)
+    torch.manual_seed(5)
+    b, t, steps = 2, 10, 3
+    aux = torch.randn(b, t, 3 * 32, dtype=torch.float64)
+    LAST = torch.randn(b, t, 32, dtype=torch.float64)
+    ids = torch.randint(0, 50, (b, t))
+    loss_mask = torch.rand(b, t) < 0.7
+    loss_mask[1, 8:] = False  # padding at the end of the second sample
+    # a head whose argmax is often in the draft vocab (even ids) and sometimes not
+    head = TargetHead(
+        torch.rand(32, dtype=torch.float64) + 0.5, 1e-6, torch.randn(50, 32, dtype=torch.float64)
+    )
+    p, in_vocab = head.distribution(LAST, drafter.target_ids(), drafter.t2d)
+    assert 0 < int(in_vocab.sum()) < in_vocab.numel()
+    weights = step_weights(steps, 0.8)
+    got = ttt_forward(drafter, embed, aux, ids, loss_mask, p, in_vocab, steps, weights)
+    with torch.no_grad():
+        loss, step_loss, acc, cond = reference(
+            drafter, embed, head, aux, ids, loss_mask, steps, weights
+        )
+    # ttt_forward takes the loss in float32 (as in bf16 training); the reference is float64
+    assert math.isclose(got.loss.item(), loss, rel_tol=1e-6)
+    for k in range(steps):
+        assert math.isclose(got.step_loss[k], step_loss[k], rel_tol=1e-6)
+        assert math.isclose(got.step_acc[k], acc[k], abs_tol=1e-6)
+        assert math.isclose(got.step_cond_acc[k], cond[k], abs_tol=1e-6)
