@@ -13,12 +13,13 @@ from eagletrain.drafter import DraftKVCache
 from eagletrain.ttt import TargetHead, step_weights, ttt_forward
 
 
-def reference(drafter, embed, head, aux, ids, loss_mask, steps, weights):
+def reference(drafter, embed, head, aux, last, ids, loss_mask, steps, weights):
     draft_ids = drafter.target_ids()
     b_size, t = ids.shape
     sums = [[0.0, 0, 0, 0, 0] for _ in range(steps)]  # loss, count, correct, chain_ok, chain_n
     for b in range(b_size):
-        full = head.lm_head @ (head.norm_weight * last_normed(head, LAST[b])).T  # [V, T]
+        normed = last[b] * torch.rsqrt(last[b].pow(2).mean(-1, keepdim=True) + head.norm_eps)
+        full = head.lm_head @ (head.norm_weight * normed).T  # target logits [V, T]
         for i in range(t):
             cache, out, chain = DraftKVCache(), None, True
             for k in range(steps):
@@ -59,20 +60,12 @@ def reference(drafter, embed, head, aux, ids, loss_mask, steps, weights):
     return loss, step_loss, acc, cond
 
 
-def last_normed(head: TargetHead, last: torch.Tensor) -> torch.Tensor:
-    return last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + head.norm_eps)
-
-
-LAST: torch.Tensor
-
-
 def test_ttt_loss_and_metrics_equal_the_slow_reference():
-    global LAST
     drafter, embed = tiny_drafter(seed=4)
     torch.manual_seed(5)
     b, t, steps = 2, 10, 3
     aux = torch.randn(b, t, 3 * 32, dtype=torch.float64)
-    LAST = torch.randn(b, t, 32, dtype=torch.float64)
+    last = torch.randn(b, t, 32, dtype=torch.float64)
     ids = torch.randint(0, 50, (b, t))
     loss_mask = torch.rand(b, t) < 0.7
     loss_mask[1, 8:] = False  # padding at the end of the second sample
@@ -80,13 +73,13 @@ def test_ttt_loss_and_metrics_equal_the_slow_reference():
     head = TargetHead(
         torch.rand(32, dtype=torch.float64) + 0.5, 1e-6, torch.randn(50, 32, dtype=torch.float64)
     )
-    p, in_vocab = head.distribution(LAST, drafter.target_ids(), drafter.t2d)
+    p, in_vocab = head.distribution(last, drafter.target_ids(), drafter.t2d)
     assert 0 < int(in_vocab.sum()) < in_vocab.numel()
     weights = step_weights(steps, 0.8)
     got = ttt_forward(drafter, embed, aux, ids, loss_mask, p, in_vocab, steps, weights)
     with torch.no_grad():
         loss, step_loss, acc, cond = reference(
-            drafter, embed, head, aux, ids, loss_mask, steps, weights
+            drafter, embed, head, aux, last, ids, loss_mask, steps, weights
         )
     # ttt_forward takes the loss in float32 (as in bf16 training); the reference is float64
     assert math.isclose(got.loss.item(), loss, rel_tol=1e-6)
