@@ -11,8 +11,9 @@ from eagletrain.drafter import DraftKVCache, Eagle3Drafter, drafter_config
 from eagletrain.ttt import shift
 
 
-def tiny_drafter(seed: int = 0) -> tuple[Eagle3Drafter, torch.nn.Embedding]:
-    target = LlamaConfig(
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """The tiny target shape the unit tests share (8 layers, so aux ids 1, 3, 4)."""
+    fields = dict(
         vocab_size=50,
         hidden_size=32,
         intermediate_size=64,
@@ -21,6 +22,11 @@ def tiny_drafter(seed: int = 0) -> tuple[Eagle3Drafter, torch.nn.Embedding]:
         num_key_value_heads=2,
         max_position_embeddings=128,
     )
+    return LlamaConfig(**{**fields, **overrides})
+
+
+def tiny_drafter(seed: int = 0) -> tuple[Eagle3Drafter, torch.nn.Embedding]:
+    target = tiny_llama_config()
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(drafter_config(target, 20, [1, 3, 4])).double()
     drafter.set_draft_vocab(torch.arange(0, 40, 2))

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from test_drafter import tiny_drafter
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_drafter import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from eagletrain.drafter import Eagle3Drafter, drafter_config
 from eagletrain.speculative import (
@@ -24,16 +24,7 @@ from eagletrain.speculative import (
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config(max_position_embeddings=256, tie_word_embeddings=False)
     torch.manual_seed(3)
     return LlamaForCausalLM(config).double().eval()
 
@@ -78,7 +69,6 @@ def test_oracle_drafts_accept_and_reject_yet_output_is_identical(target, k):
 
 
 def test_eagle_and_prompt_lookup_are_lossless_on_many_prompts(target):
-    drafter, _ = tiny_drafter()
     cfg = drafter_config(target.config, 20, [1, 3, 4])
     torch.manual_seed(1)
     drafter = Eagle3Drafter(cfg).double()

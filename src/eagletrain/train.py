@@ -23,7 +23,7 @@ from eagletrain.drafter import Eagle3Drafter, drafter_config
 from eagletrain.errors import ConfigError, InputError
 from eagletrain.extract import read_dataset_metadata
 from eagletrain.faults import inject_delay
-from eagletrain.hidden_dataset import HiddenSamples
+from eagletrain.hidden_dataset import Batch, HiddenSamples
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
 from eagletrain.target import load_target, pick_device, resolve_target
@@ -34,7 +34,7 @@ from eagletrain.train_state import (
     save_train_state,
     truncate_metrics,
 )
-from eagletrain.ttt import TargetHead, step_weights, ttt_forward
+from eagletrain.ttt import TargetHead, TTTResult, step_weights, ttt_forward
 from eagletrain.worker import WorkerSession
 
 STAGE = "train"
@@ -80,6 +80,22 @@ def lr_lambda(warmup: int, total: int):
     return factor
 
 
+def batch_ttt(
+    drafter: Eagle3Drafter,
+    embed: torch.nn.Embedding,
+    head: TargetHead,
+    batch: Batch,
+    steps: int,
+    weights: list[float],
+) -> TTTResult:
+    """The TTT loss and metrics of one batch, target distribution from its stored states."""
+    with torch.no_grad(), torch.autocast(batch.aux.device.type, enabled=False):
+        p, in_vocab = head.distribution(batch.last, drafter.target_ids(), drafter.t2d)
+    return ttt_forward(
+        drafter, embed, batch.aux, batch.input_ids, batch.loss_mask, p, in_vocab, steps, weights
+    )
+
+
 def evaluate_heldout(
     drafter: Eagle3Drafter,
     embed: torch.nn.Embedding,
@@ -98,18 +114,7 @@ def evaluate_heldout(
             batch = data.batch(list(range(s, min(s + batch_size, len(data))))).to(
                 device, torch.float32
             )
-            p, in_vocab = head.distribution(batch.last, drafter.target_ids(), drafter.t2d)
-            r = ttt_forward(
-                drafter,
-                embed,
-                batch.aux,
-                batch.input_ids,
-                batch.loss_mask,
-                p,
-                in_vocab,
-                steps,
-                weights,
-            )
+            r = batch_ttt(drafter, embed, head, batch, steps, weights)
             totals["loss"] += float(r.loss)
             for k in range(steps):
                 totals["acc"][k] += r.step_acc[k]
@@ -183,7 +188,6 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     drafter.to(device)
     embed.to(device)
     head = TargetHead(head.norm_weight.to(device), head.norm_eps, head.lm_head.to(device))
-    draft_ids = draft_ids.to(device)
 
     steps_per_epoch = math.ceil(len(train_data) / tc.batch_size)
     total_steps = steps_per_epoch * tc.epochs
@@ -224,20 +228,8 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
             for b in range(first, steps_per_epoch):
                 indices = order[b * tc.batch_size : (b + 1) * tc.batch_size]
                 batch = train_data.batch(indices).to(device, torch.float32)
-                with torch.no_grad():
-                    p, in_vocab = head.distribution(batch.last, draft_ids, drafter.t2d)
                 with autocast:
-                    r = ttt_forward(
-                        drafter,
-                        embed,
-                        batch.aux,
-                        batch.input_ids,
-                        batch.loss_mask,
-                        p,
-                        in_vocab,
-                        tc.ttt_steps,
-                        weights,
-                    )
+                    r = batch_ttt(drafter, embed, head, batch, tc.ttt_steps, weights)
                 optimizer.zero_grad(set_to_none=True)
                 r.loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
