@@ -106,3 +106,62 @@ def test_first_divergence_and_tie_tolerances():
     assert (
         TIE_TOLERANCE[torch.float64] < TIE_TOLERANCE[torch.float32] < TIE_TOLERANCE[torch.bfloat16]
     )
+
+
+# ---- sampling (T > 0): the output distribution is the target's --------------------------
+
+
+def _exact_second_token(model, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(second generated token) under plain sampling, computed exactly."""
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        rows = torch.stack(
+            [
+                torch.softmax(model(torch.tensor([[*prompt, t]])).logits[0, -1] / temperature, -1)
+                for t in range(first.numel())
+            ]
+        )
+    return first @ rows
+
+
+def _empirical(samples: list[int], size: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(samples), minlength=size).double() / len(samples)
+
+
+def test_speculative_sampling_matches_the_target_distribution():
+    from eagletrain.speculative import TargetSession, speculative_sample
+
+    torch.manual_seed(11)
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=False)).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # a peaked distribution, far from the drafter's
+    cfg = drafter_config(model.config, 20, [1, 3, 4])
+    drafter = Eagle3Drafter(cfg).double()
+    drafter.set_draft_vocab(torch.arange(0, 40, 2))
+    eagle = EagleProposer(drafter, model.get_input_embeddings())
+    prompt, temperature, n = [5, 17, 3, 9], 1.0, 1000
+    exact = _exact_second_token(model, prompt, temperature)
+    gen = torch.Generator().manual_seed(0)
+    # the null: how far n samples drawn from the exact distribution itself land from it
+    null = [
+        0.5
+        * (_empirical(torch.multinomial(exact, n, True, generator=gen).tolist(), 50) - exact)
+        .abs()
+        .sum()
+        for _ in range(400)
+    ]
+    threshold = float(max(null))
+    for proposer in (eagle, PromptLookupProposer(vocab_size=50)):
+        second = [
+            speculative_sample(model, proposer, prompt, 2, 3, set(), temperature, gen).tokens[1]
+            for _ in range(n)
+        ]
+        tv = 0.5 * (_empirical(second, 50) - exact).abs().sum()
+        assert tv <= threshold, (type(proposer).__name__, float(tv), threshold)
+    # The test can fail: taking the drafter's token without the acceptance test is lossy.
+    _, features = TargetSession(model, [1, 3, 4]).forward(prompt)
+    lossy = []
+    for _ in range(n):
+        eagle.start(prompt, int(torch.multinomial(exact, 1, generator=gen)), features)
+        lossy.append(eagle.propose_sampled(1, temperature, gen)[0][0])
+    assert 0.5 * (_empirical(lossy, 50) - exact).abs().sum() > 3 * threshold

@@ -77,6 +77,10 @@ class Proposer(Protocol):
 
     def advance(self, new_tokens: list[int], features: torch.Tensor | None) -> None: ...
 
+    def propose_sampled(
+        self, k: int, temperature: float, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor]: ...
+
 
 class EagleProposer:
     """EAGLE-3 chain drafting. Drafter index i pairs the target feature of position i with
@@ -114,6 +118,27 @@ class EagleProposer:
         self.cache.crop(self.real)
         self._extend(features, new_tokens)
 
+    def propose_sampled(
+        self, k: int, temperature: float, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor]:
+        """Drafts sampled from the drafter, with their proposal distributions q over the
+        target vocab ([k, V]; zero outside the draft vocab)."""
+        drafts, rows, hidden = [], [], self.last_hidden
+        target_ids = self.drafter.target_ids()
+        for j in range(k):
+            q_draft = torch.softmax(self.drafter.logits(hidden)[0, -1].double() / temperature, -1)
+            d = int(torch.multinomial(q_draft.cpu(), 1, generator=generator))
+            q = torch.zeros(self.drafter.config.vocab_size, dtype=torch.float64)
+            q[target_ids.cpu()] = q_draft.cpu()
+            token = int(target_ids[d])
+            drafts.append(token)
+            rows.append(q)
+            if j + 1 < k:
+                pos = torch.tensor([[self.real + j]], device=self.device)
+                emb = self.embed(torch.tensor([[token]], device=self.device))
+                hidden = self.drafter.step_cached(hidden, emb, pos, self.cache)
+        return drafts, torch.stack(rows)
+
 
 class PromptLookupProposer:
     """Prompt-lookup (n-gram) drafting: continue the latest earlier occurrence of the
@@ -121,8 +146,8 @@ class PromptLookupProposer:
 
     aux_layer_ids = None
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, vocab_size: int = 0):
+        self.max_ngram, self.min_ngram, self.vocab_size = max_ngram, min_ngram, vocab_size
 
     def start(self, prompt: list[int], first: int, features: torch.Tensor | None) -> None:
         self.text = [*prompt, first]
@@ -142,6 +167,15 @@ class PromptLookupProposer:
 
     def advance(self, new_tokens: list[int], features: torch.Tensor | None) -> None:
         self.text.extend(new_tokens)
+
+    def propose_sampled(
+        self, k: int, temperature: float, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor]:
+        """Deterministic drafts: their proposal distributions are one-hot."""
+        drafts = self.propose(k)
+        q = torch.zeros(k, self.vocab_size, dtype=torch.float64)
+        q[torch.arange(k), torch.tensor(drafts)] = 1.0
+        return drafts, q
 
 
 def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -207,6 +241,75 @@ def speculative_greedy(
         while accepted < k and drafts[accepted] == predicted[accepted]:
             accepted += 1
         new_tokens = [*drafts[:accepted], predicted[accepted]]
+        accepted_per_cycle.append(accepted)
+        target.crop(verified + 1 + accepted)
+        proposer.advance(new_tokens, None if features is None else features[: accepted + 1])
+        out.extend(new_tokens)
+    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@torch.inference_mode()
+def sample_decode(
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new: int,
+    eos: set[int],
+    temperature: float,
+    generator: torch.Generator,
+) -> Decoded:
+    """Plain sampling on the same engine as speculative sampling."""
+    start = time.perf_counter()
+    target = TargetSession(model, None)
+    logits, _ = target.forward(prompt)
+    out = [_sample(torch.softmax(logits[-1].double() / temperature, -1), generator)]
+    while len(out) < max_new and out[-1] not in eos:
+        logits, _ = target.forward(out[-1:])
+        out.append(_sample(torch.softmax(logits[-1].double() / temperature, -1), generator))
+    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def speculative_sample(
+    model: torch.nn.Module,
+    proposer: Proposer,
+    prompt: list[int],
+    max_new: int,
+    k: int,
+    eos: set[int],
+    temperature: float,
+    generator: torch.Generator,
+) -> Decoded:
+    """Lossless speculative sampling (Leviathan et al.; Chen et al.): draft j is accepted with
+    probability min(1, p(d)/q(d)); the first rejected position is resampled from
+    norm(max(0, p - q)); if all k are accepted the bonus token comes from p. The output is
+    distributed exactly as plain sampling from the target."""
+    start = time.perf_counter()
+    target = TargetSession(model, proposer.aux_layer_ids)
+    logits, features = target.forward(prompt)
+    out = [_sample(torch.softmax(logits[-1].double() / temperature, -1), generator)]
+    proposer.start(prompt, out[0], features)
+    accepted_per_cycle = []
+    while len(out) < max_new and out[-1] not in eos:
+        verified = len(prompt) + len(out) - 1
+        drafts, q = proposer.propose_sampled(k, temperature, generator)
+        logits, features = target.forward([out[-1], *drafts])
+        p = torch.softmax(logits.double().cpu() / temperature, -1)
+        accepted, token = 0, None
+        for j, d in enumerate(drafts):
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u < min(1.0, float(p[j, d] / q[j, d])):
+                accepted += 1
+                continue
+            residual = (p[j] - q[j]).clamp(min=0)
+            token = _sample(residual / residual.sum() if residual.sum() > 0 else p[j], generator)
+            break
+        if token is None:
+            token = _sample(p[k], generator)
+        new_tokens = [*drafts[:accepted], token]
         accepted_per_cycle.append(accepted)
         target.crop(verified + 1 + accepted)
         proposer.advance(new_tokens, None if features is None else features[: accepted + 1])
