@@ -108,3 +108,13 @@ def test_changing_a_started_stage_config_is_refused(tiny_config: Path, tmp_path:
     result = eagletrain("data", tiny_config, "--run-dir", run, "--set", "data.max_length=50")
     assert result.returncode == 2
     assert "data.max_length" in result.stderr
+
+
+def test_eval_at_temperature_one(tiny_config: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    result = eagletrain("run", tiny_config, "--run-dir", run, "--set", "eval.temperature=1.0")
+    assert result.returncode == 0, result.stderr
+    assert "sampling at T=1" in result.stdout
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert results["temperature"] == 1.0 and results["cycles"] > 0
+    assert 1.0 <= results["tau"] <= 1 + results["draft_steps"]

@@ -81,6 +81,9 @@ class EvalConfig(Section):
     num_prompts: int = Field(8, ge=1)
     max_new_tokens: int = Field(64, ge=1)
     draft_steps: int = Field(3, ge=1)
+    # 0 = greedy (output must equal plain greedy); > 0 = lossless speculative sampling
+    temperature: float = Field(0.0, ge=0.0)
+    seed: int = 0
     device: str = "auto"
 
 

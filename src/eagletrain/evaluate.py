@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagletrain.embedded import embedded_file, is_embedded
 from eagletrain.errors import InputError, VerifyError
 from eagletrain.export import SGLANG_DIR, load_exported
@@ -24,7 +26,9 @@ from eagletrain.speculative import (
     greedy_decode,
     per_position_acceptance,
     pooled_tau,
+    sample_decode,
     speculative_greedy,
+    speculative_sample,
 )
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
 from eagletrain.worker import WorkerSession
@@ -100,12 +104,30 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
             )
             prompt = tokenizer(ids, add_special_tokens=False)["input_ids"]
-            plain = greedy_decode(model, prompt, ec.max_new_tokens, eos)
-            spec = speculative_greedy(model, eagle, prompt, ec.max_new_tokens, ec.draft_steps, eos)
-            lookup = speculative_greedy(
-                model, PromptLookupProposer(), prompt, ec.max_new_tokens, ec.draft_steps, eos
-            )
-            for name, decoded in (("eagle", spec), ("prompt-lookup", lookup)):
+            lookup_proposer = PromptLookupProposer(vocab_size=model.config.vocab_size)
+            if ec.temperature > 0:
+                # sampling is lossless in distribution, not token by token: no equality check
+                # here (tests/test_speculative.py checks the distribution statistically)
+                gen = torch.Generator().manual_seed(ec.seed * 100_003 + i)
+                args = (prompt, ec.max_new_tokens)
+                plain = sample_decode(model, *args, eos, ec.temperature, gen)
+                spec = speculative_sample(
+                    model, eagle, *args, ec.draft_steps, eos, ec.temperature, gen
+                )
+                lookup = speculative_sample(
+                    model, lookup_proposer, *args, ec.draft_steps, eos, ec.temperature, gen
+                )
+            else:
+                plain = greedy_decode(model, prompt, ec.max_new_tokens, eos)
+                spec = speculative_greedy(
+                    model, eagle, prompt, ec.max_new_tokens, ec.draft_steps, eos
+                )
+                lookup = speculative_greedy(
+                    model, lookup_proposer, prompt, ec.max_new_tokens, ec.draft_steps, eos
+                )
+            # greedy must reproduce plain greedy decoding token for token
+            checks = [] if ec.temperature > 0 else [("eagle", spec), ("prompt-lookup", lookup)]
+            for name, decoded in checks:
                 at = first_divergence(plain, decoded)
                 if at is None:
                     continue
@@ -137,7 +159,7 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
         "dataset": ec.dataset,
         "prompts": len(prompts),
         "draft_steps": ec.draft_steps,
-        "temperature": 0.0,
+        "temperature": ec.temperature,
         "cycles": len(accepted),
         "tau": pooled_tau(accepted),
         "per_position_acceptance": per_position_acceptance(accepted, ec.draft_steps),
@@ -147,7 +169,7 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
         "speedup": plain_s / spec_s if spec_s else None,
         "device": str(device),
         "dtype": str(model.dtype).removeprefix("torch."),
-        "lossless": True,
+        "lossless": True if ec.temperature == 0 else "by construction (rejection sampling)",
         "tie_tolerance": tolerance,
         "tie_divergences": ties,
         "per_prompt": per_prompt,
@@ -163,10 +185,15 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
 
 def describe(results: dict[str, Any]) -> str:
     ppa = ", ".join(f"{a:.2f}" for a in results["per_position_acceptance"])
+    mode = (
+        f"greedy, lossless ({len(results['tie_divergences'])} divergences at numerical ties, "
+        f"{results['dtype']})"
+        if results["temperature"] == 0
+        else f"sampling at T={results['temperature']:g} (lossless by construction)"
+    )
     return (
-        f"eval: {results['prompts']} {results['dataset']} prompts, chain {results['draft_steps']}"
-        f", greedy, lossless ({len(results['tie_divergences'])} divergences at numerical "
-        f"ties, {results['dtype']}); per-position acceptance [{ppa}]; prompt-lookup tau "
-        f"{results['prompt_lookup_tau']:.3f}; "
-        f"speedup {results['speedup']:.2f}x on {results['device']}"
+        f"eval: {results['prompts']} {results['dataset']} prompts, chain "
+        f"{results['draft_steps']}, {mode}; per-position acceptance [{ppa}]; prompt-lookup "
+        f"tau {results['prompt_lookup_tau']:.3f}; speedup {results['speedup']:.2f}x on "
+        f"{results['device']}"
     )
