@@ -26,10 +26,6 @@ class Batch:
             self.loss_mask.to(device),
         )
 
-    @property
-    def tokens(self) -> int:
-        return int(self.input_ids.ne(-1).sum())
-
 
 class HiddenSamples:
     """The done samples of the extract stage, read lazily from their shards."""

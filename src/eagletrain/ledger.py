@@ -221,12 +221,6 @@ class Ledger:
         sql += " ORDER BY ord"
         return [ItemRow(*row) for row in self.conn.execute(sql, args)]
 
-    def item(self, stage: str, key: str) -> ItemRow | None:
-        row = self.conn.execute(
-            f"SELECT {_ITEM_COLUMNS} FROM items WHERE stage=? AND key=?", (stage, key)
-        ).fetchone()
-        return ItemRow(*row) if row else None
-
     def begin_shard(self, stage: str, name: str, partition: str) -> None:
         self.conn.execute(
             "INSERT OR REPLACE INTO shards VALUES(?,?,?, 'writing', NULL)", (stage, name, partition)
@@ -306,14 +300,6 @@ class Ledger:
         )
         return dict(cur.fetchall())
 
-    def done_since(self, stage: str, since: float) -> int:
-        row = self.conn.execute(
-            "SELECT COUNT(*) FROM items WHERE stage=? AND state='done' AND finished_at>=?",
-            (stage, since),
-        ).fetchone()
-        return row[0]
-
-    # ---- progress samples (rate / ETA for every kind of stage) --------------------------
     def sample_progress(self, stage: str, done: int) -> None:
         self.conn.execute("INSERT INTO progress VALUES(?,?,?)", (stage, time.time(), done))
 

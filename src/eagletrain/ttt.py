@@ -107,10 +107,3 @@ def ttt_forward(
 
 def step_weights(steps: int, decay: float) -> list[float]:
     return [decay**k for k in range(steps)]
-
-
-def simulated_acceptance_length(accepted: torch.Tensor, counted: torch.Tensor) -> float:
-    """Greedy chain tau if drafting `steps` tokens at every counted index: 1 + leading
-    correct steps (the +1 is the target's bonus token)."""
-    n = counted.sum()
-    return float(1.0 + (accepted * counted).sum() / n.clamp(min=1))
