@@ -98,7 +98,8 @@ def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:
     directory.mkdir(parents=True, exist_ok=True)
 
     def done_count(led) -> int:
-        return led.counts(STAGE).get("done", 0) + led.counts(STAGE).get("skipped", 0)
+        counts = led.counts(STAGE)
+        return counts.get("done", 0) + counts.get("skipped", 0)
 
     with WorkerSession(ledger, run.dir, STAGE, part, done_counter=done_count) as worker:
         unfinished = ledger.unfinished_shards(STAGE, part)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -218,6 +219,38 @@ def first_divergence(plain: Decoded, other: Decoded) -> int | None:
 
 
 @torch.inference_mode()
+def _speculate(
+    model: torch.nn.Module,
+    proposer: Proposer,
+    prompt: list[int],
+    max_new: int,
+    eos: set[int],
+    pick: Callable[[torch.Tensor], int],
+    draft: Callable[[], tuple[list[int], torch.Tensor | None]],
+    verify: Callable[[list[int], torch.Tensor | None, torch.Tensor], tuple[int, int]],
+) -> Decoded:
+    """The draft-verify loop shared by greedy decoding and sampling: `pick` chooses a token
+    from logits, `draft` proposes (drafts, their proposal distributions or None), `verify`
+    returns (drafts accepted, the target's own next token)."""
+    start = time.perf_counter()
+    target = TargetSession(model, proposer.aux_layer_ids)
+    logits, features = target.forward(prompt)
+    out = [pick(logits[-1])]
+    proposer.start(prompt, out[0], features)
+    accepted_per_cycle = []
+    while len(out) < max_new and out[-1] not in eos:
+        verified = len(prompt) + len(out) - 1  # target cache length before this cycle
+        drafts, q = draft()
+        logits, features = target.forward([out[-1], *drafts])
+        accepted, token = verify(drafts, q, logits)
+        new_tokens = [*drafts[:accepted], token]
+        accepted_per_cycle.append(accepted)
+        target.crop(verified + 1 + accepted)
+        proposer.advance(new_tokens, None if features is None else features[: accepted + 1])
+        out.extend(new_tokens)
+    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle)
+
+
 def speculative_greedy(
     model: torch.nn.Module,
     proposer: Proposer,
@@ -226,26 +259,25 @@ def speculative_greedy(
     k: int,
     eos: set[int],
 ) -> Decoded:
-    start = time.perf_counter()
-    target = TargetSession(model, proposer.aux_layer_ids)
-    logits, features = target.forward(prompt)
-    out = [int(logits[-1].argmax())]
-    proposer.start(prompt, out[0], features)
-    accepted_per_cycle = []
-    while len(out) < max_new and out[-1] not in eos:
-        verified = len(prompt) + len(out) - 1  # target cache length before this cycle
-        drafts = proposer.propose(k)
-        logits, features = target.forward([out[-1], *drafts])
+    """Accept the longest draft prefix equal to the target's argmax, then its next argmax."""
+
+    def verify(drafts: list[int], _q: torch.Tensor | None, logits: torch.Tensor):
         predicted = logits.argmax(-1).tolist()
         accepted = 0
-        while accepted < k and drafts[accepted] == predicted[accepted]:
+        while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
             accepted += 1
-        new_tokens = [*drafts[:accepted], predicted[accepted]]
-        accepted_per_cycle.append(accepted)
-        target.crop(verified + 1 + accepted)
-        proposer.advance(new_tokens, None if features is None else features[: accepted + 1])
-        out.extend(new_tokens)
-    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle)
+        return accepted, predicted[accepted]
+
+    return _speculate(
+        model,
+        proposer,
+        prompt,
+        max_new,
+        eos,
+        pick=lambda logits: int(logits.argmax()),
+        draft=lambda: (proposer.propose(k), None),
+        verify=verify,
+    )
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -272,7 +304,6 @@ def sample_decode(
     return Decoded(_finish(out, max_new, eos), time.perf_counter() - start)
 
 
-@torch.inference_mode()
 def speculative_sample(
     model: torch.nn.Module,
     proposer: Proposer,
@@ -287,34 +318,30 @@ def speculative_sample(
     probability min(1, p(d)/q(d)); the first rejected position is resampled from
     norm(max(0, p - q)); if all k are accepted the bonus token comes from p. The output is
     distributed exactly as plain sampling from the target."""
-    start = time.perf_counter()
-    target = TargetSession(model, proposer.aux_layer_ids)
-    logits, features = target.forward(prompt)
-    out = [_sample(torch.softmax(logits[-1].double() / temperature, -1), generator)]
-    proposer.start(prompt, out[0], features)
-    accepted_per_cycle = []
-    while len(out) < max_new and out[-1] not in eos:
-        verified = len(prompt) + len(out) - 1
-        drafts, q = proposer.propose_sampled(k, temperature, generator)
-        logits, features = target.forward([out[-1], *drafts])
-        p = torch.softmax(logits.double().cpu() / temperature, -1)
-        accepted, token = 0, None
+
+    def probs(logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.double().cpu() / temperature, -1)
+
+    def verify(drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor):
+        p = probs(logits)
         for j, d in enumerate(drafts):
             u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u < min(1.0, float(p[j, d] / q[j, d])):
-                accepted += 1
-                continue
-            residual = (p[j] - q[j]).clamp(min=0)
-            token = _sample(residual / residual.sum() if residual.sum() > 0 else p[j], generator)
-            break
-        if token is None:
-            token = _sample(p[k], generator)
-        new_tokens = [*drafts[:accepted], token]
-        accepted_per_cycle.append(accepted)
-        target.crop(verified + 1 + accepted)
-        proposer.advance(new_tokens, None if features is None else features[: accepted + 1])
-        out.extend(new_tokens)
-    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle)
+            if u >= min(1.0, float(p[j, d] / q[j, d])):
+                residual = (p[j] - q[j]).clamp(min=0)
+                total = residual.sum()
+                return j, _sample(residual / total if total > 0 else p[j], generator)
+        return len(drafts), _sample(p[len(drafts)], generator)
+
+    return _speculate(
+        model,
+        proposer,
+        prompt,
+        max_new,
+        eos,
+        pick=lambda logits: _sample(probs(logits), generator),
+        draft=lambda: proposer.propose_sampled(k, temperature, generator),
+        verify=verify,
+    )
 
 
 def pooled_tau(accepted_per_cycle: list[int]) -> float:
