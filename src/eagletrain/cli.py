@@ -98,6 +98,13 @@ def _partition(text: str | None) -> tuple[int, int]:
     return i, n
 
 
+def _served_target(run) -> str:
+    """The target as an engine loads it: its HF directory (a GGUF's de-quantized copy)."""
+    from eagletrain.target import resolve_target
+
+    return str(resolve_target(run.config.target).directory)
+
+
 def _open(config: Path, run_dir: Path | None, overrides: list[str] | None):
     from eagletrain.config import load_config
     from eagletrain.rundir import open_run
@@ -125,7 +132,7 @@ def run(
     from eagletrain.export import serve_commands
 
     typer.echo(f"export: {r.dir / 'export'} (sglang, vllm, speculators)")
-    for line in serve_commands(r.dir / "export", r.config.target.model, r.config.eval.draft_steps):
+    for line in serve_commands(r.dir / "export", _served_target(r), r.config.eval.draft_steps):
         typer.echo(f"serve with {line}")
     typer.echo(
         f"pipeline finished in {time.time() - start:.0f}s; "
@@ -170,7 +177,7 @@ def _stage_command(stage: str, sharded: bool):
             from eagletrain.export import serve_commands
 
             typer.echo(f"export: {result} ({', '.join(p.name for p in sorted(result.iterdir()))})")
-            for line in serve_commands(result, r.config.target.model, r.config.eval.draft_steps):
+            for line in serve_commands(result, _served_target(r), r.config.eval.draft_steps):
                 typer.echo(f"serve with {line}")
         elif stage == "eval":
             typer.echo(f"tau={result['tau']:.3f}")
