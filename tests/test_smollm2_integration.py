@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagletrain.chat_tokenize import tokenize_conversation
 from eagletrain.config import Config
 from eagletrain.data import run_data
 from eagletrain.evaluate import load_prompts
@@ -59,3 +60,18 @@ def test_greedy_prompt_lookup_equals_plain_greedy_on_mtbench(smollm2):
         plain = greedy_decode(model, prompt, 24, eos)
         spec = speculative_greedy(model, PromptLookupProposer(), prompt, 24, 3, eos)
         assert spec.tokens == plain.tokens
+
+
+def test_smollm2_template_masks_exactly_the_assistant_turns(smollm2):
+    tokenizer, _ = smollm2
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Green."},
+    ]
+    sample = tokenize_conversation(tokenizer, messages)
+    ids, mask = sample.input_ids.tolist(), sample.loss_mask.bool().tolist()
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    masked = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert masked == "Blue.<|im_end|>\nGreen.<|im_end|>\n"

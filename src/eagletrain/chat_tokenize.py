@@ -1,12 +1,14 @@
 """Chat template rendering and the assistant-only loss mask.
 
-The mask is derived from character spans of the rendered assistant turns: the text each
-assistant message adds to the rendered prefix (so the turn's end-of-turn tokens are learned
-too), mapped to tokens through the fast tokenizer's offsets.
+A template that marks its assistant output with `{% generation %}` gets the tokenizer's own
+assistant mask. Otherwise the mask comes from character spans of the rendered assistant
+turns: the text each assistant message adds to the rendered prefix (so the turn's
+end-of-turn tokens are learned too), mapped to tokens through the fast tokenizer's offsets.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,17 +45,48 @@ def assistant_spans(tokenizer: Any, messages: list[Message]) -> tuple[str, list[
             spans.append((len(before), len(upto)))
             cursor = len(upto)
         else:
-            # Templates that rewrite earlier turns (e.g. dropping old <think> blocks):
-            # fall back to the message text itself.
-            start = full.find(message["content"], cursor)
+            # Templates that render a turn differently once later turns follow (e.g. Kimi
+            # and Qwen3 empty the <think> of earlier turns): locate the message text, then
+            # widen to the turn's opening and closing text where they are unambiguous.
+            content = message["content"]
+            start = full.find(content, cursor)
             if start < 0:
                 raise ValueError(f"assistant turn {i} not found in the rendered template")
-            spans.append((start, start + len(message["content"])))
-            cursor = start + len(message["content"])
+            end = start + len(content)
+            at = upto.rfind(content) if content else -1
+            closing = upto[at + len(content) :] if at >= 0 else ""
+            if closing and full.startswith(closing, end):
+                end += len(closing)
+            if full.startswith(before) and cursor <= len(before) <= start:
+                start = len(before)
+            spans.append((start, end))
+            cursor = end
     return full, spans
 
 
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def has_generation_tags(tokenizer: Any) -> bool:
+    return bool(_GENERATION_TAG.search(tokenizer.chat_template or ""))
+
+
+def _template_masked(tokenizer: Any, messages: list[Message]) -> TokenizedSample:
+    enc = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids = torch.tensor(enc["input_ids"], dtype=torch.int32)
+    mask = torch.tensor(enc["assistant_masks"], dtype=torch.uint8)
+    return TokenizedSample(ids, mask)
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[Message]) -> TokenizedSample:
+    if messages[0]["role"] != "text" and has_generation_tags(tokenizer):
+        return _template_masked(tokenizer, messages)
+    return _offset_masked(tokenizer, messages)
+
+
+def _offset_masked(tokenizer: Any, messages: list[Message]) -> TokenizedSample:
     text, spans = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.int32)

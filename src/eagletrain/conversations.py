@@ -43,7 +43,10 @@ class Record:
 
     @property
     def key(self) -> str:
-        payload = self.messages if self.messages is not None else ["rejected", self.where]
+        if self.messages is None or self.rejected:  # rejected records are told apart by place
+            payload: Any = ["rejected", self.where]
+        else:
+            payload = self.messages
         canonical = json.dumps(payload, sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(canonical.encode()).hexdigest()[:24]
 

@@ -102,6 +102,24 @@ CREATE TABLE IF NOT EXISTS shards(
     PRIMARY KEY(stage, name)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- regenerated conversations, durable as each one finishes, so a restart re-sends nothing
+-- that was answered; tokenization into data/ chunks happens after
+CREATE TABLE IF NOT EXISTS regenerated(
+    key TEXT PRIMARY KEY,
+    messages TEXT NOT NULL,          -- JSON list of {role, content[, reasoning_content]}
+    finish_reasons TEXT NOT NULL,    -- JSON list, one per regenerated assistant turn
+    truncated INTEGER NOT NULL,      -- a reply stopped at max_tokens
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    cost REAL NOT NULL,
+    at REAL NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS regen_totals(
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    conversations INTEGER NOT NULL, turns INTEGER NOT NULL, truncated INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, cost REAL NOT NULL
+);
+INSERT OR IGNORE INTO regen_totals VALUES(0, 0, 0, 0, 0, 0, 0.0);
 """
 
 
@@ -312,6 +330,60 @@ class Ledger:
             "SELECT t, done FROM progress WHERE stage=? ORDER BY t DESC LIMIT 1", (stage,)
         ).fetchone()
         return tuple(x for x in (first, last) if x is not None)
+
+    # ---- regenerated conversations ------------------------------------------------------
+    def save_regenerated(self, key: str, row: dict[str, Any]) -> None:
+        """Store one regenerated conversation (once) and add it to the running totals."""
+        with self.transaction() as c:
+            cur = c.execute(
+                "INSERT INTO regenerated VALUES(?,?,?,?,?,?,?,?) ON CONFLICT(key) DO NOTHING",
+                (
+                    key,
+                    json.dumps(row["messages"], ensure_ascii=False),
+                    json.dumps(row["finish_reasons"]),
+                    int(row["truncated"]),
+                    row["prompt_tokens"],
+                    row["completion_tokens"],
+                    row["cost"],
+                    time.time(),
+                ),
+            )
+            if cur.rowcount == 1:
+                c.execute(
+                    "UPDATE regen_totals SET conversations=conversations+1, turns=turns+?, "
+                    "truncated=truncated+?, prompt_tokens=prompt_tokens+?, "
+                    "completion_tokens=completion_tokens+?, cost=cost+? WHERE id=0",
+                    (
+                        len(row["finish_reasons"]),
+                        int(row["truncated"]),
+                        row["prompt_tokens"],
+                        row["completion_tokens"],
+                        row["cost"],
+                    ),
+                )
+
+    def regenerated(self, key: str) -> dict[str, Any] | None:
+        row = self.conn.execute(
+            "SELECT messages, finish_reasons, truncated FROM regenerated WHERE key=?", (key,)
+        ).fetchone()
+        if row is None:
+            return None
+        return {
+            "messages": json.loads(row[0]),
+            "finish_reasons": json.loads(row[1]),
+            "truncated": bool(row[2]),
+        }
+
+    def regen_totals(self) -> dict[str, Any]:
+        try:
+            row = self.conn.execute(
+                "SELECT conversations, turns, truncated, prompt_tokens, completion_tokens, cost "
+                "FROM regen_totals WHERE id=0"
+            ).fetchone()
+        except sqlite3.OperationalError:  # a ledger from before regeneration existed
+            return {}
+        keys = ("conversations", "turns", "truncated", "prompt_tokens", "completion_tokens")
+        return dict(zip((*keys, "cost"), row, strict=True)) if row else {}
 
     # ---- completion records -------------------------------------------------------------
     def complete(

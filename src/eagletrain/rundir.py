@@ -13,7 +13,29 @@ from eagletrain.stages import STAGES
 
 CONFIG_NAME = "config.toml"
 # Keys that say how to run, not what the run is: they may change when a run is reopened.
-OPERATIONAL_KEYS = {"target.device", "train.device", "eval.device", "extract.check_space"}
+OPERATIONAL_KEYS = {
+    "target.device",
+    "train.device",
+    "eval.device",
+    "extract.check_space",
+    *(
+        f"data.regen.{k}"
+        for k in (
+            "base_url",
+            "api_key_env",
+            "concurrency",
+            "timeout_s",
+            "max_retries",
+            "backoff_base_s",
+            "backoff_max_s",
+            "circuit_failures",
+            "circuit_cooldown_s",
+            "circuit_max_trips",
+            "batch_size",
+            "kv_cache",
+        )
+    ),
+}
 
 
 @dataclass

@@ -51,6 +51,7 @@ class StageStatus:
     heartbeat_age_s: float | None = None
     reasons: dict[str, int] = field(default_factory=dict)
     workers: list[WorkerView] = field(default_factory=list)
+    regeneration: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -108,6 +109,10 @@ def stage_status(ledger: Ledger, stage: str, now: float | None = None) -> StageS
             st.reasons = ledger.error_reasons(stage)
     else:
         st.done = row["units_done"]
+    if stage == "data":
+        totals = ledger.regen_totals()
+        if totals.get("conversations"):
+            st.regeneration = totals
 
     latest: dict[str, dict[str, Any]] = {}
     for w in ledger.workers(stage):
@@ -191,6 +196,13 @@ def format_line(st: StageStatus) -> str:
     if st.note:
         parts.append(f"-- {st.note}")
     line = "  ".join(parts)
+    if st.regeneration:
+        r = st.regeneration
+        line += (
+            f"\n{'':10}regenerated {r['conversations']} conversations ({r['turns']} turns, "
+            f"{r['truncated']} truncated), {r['prompt_tokens']} prompt + "
+            f"{r['completion_tokens']} completion tokens, cost {r['cost']:.4f}"
+        )
     for reason, n in sorted(st.reasons.items()):
         line += f"\n{'':10}{n} x {reason}"
     return line

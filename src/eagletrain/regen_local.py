@@ -1,0 +1,110 @@
+"""Regeneration with the in-process target: requests from many conversations are gathered
+into left-padded batches for `model.generate`, so the CPU demo and GPU runs need no server.
+
+It offers the same `complete(messages) -> Completion` as the HTTP client, so the
+multi-turn driver in regenerate.py does not know which one it talks to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from eagletrain.config import RegenerateConfig
+from eagletrain.regen_client import Completion
+
+
+class LocalGenerator:
+    def __init__(self, model: Any, tokenizer: Any, cfg: RegenerateConfig, seed: int = 0):
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.device = next(model.parameters()).device
+        self.seed = seed
+        self.requests = 0
+        self.retries = 0  # local generation does not retry; kept for the same summary
+        self._queue: asyncio.Queue[tuple[list[dict[str, str]], asyncio.Future]] = asyncio.Queue()
+        self._worker: asyncio.Task | None = None
+        self.pad_id = tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = tokenizer.eos_token_id
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos = sorted(set(eos))
+
+    async def __aenter__(self) -> LocalGenerator:
+        self._worker = asyncio.create_task(self._serve())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+
+    async def complete(self, messages: list[dict[str, str]]) -> Completion:
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self._queue.put((messages, future))
+        return await future
+
+    async def _serve(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            await asyncio.sleep(0)  # let the other conversations enqueue their turn
+            while len(batch) < self.cfg.batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                results = await asyncio.to_thread(self.generate, [m for m, _ in batch])
+            except Exception as err:  # hand the error to every waiting conversation
+                for _, future in batch:
+                    future.set_exception(err)
+                continue
+            for (_, future), result in zip(batch, results, strict=True):
+                future.set_result(result)
+
+    @torch.inference_mode()
+    def generate(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
+        prompts = [
+            self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+            for m in conversations
+        ]
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        longest = max(len(e) for e in encoded)
+        # left padding: every row's next token lands in the same column
+        ids = torch.full((len(encoded), longest), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for row, e in enumerate(encoded):
+            ids[row, longest - len(e) :] = torch.tensor(e)
+            attention[row, longest - len(e) :] = 1
+        sampling = self.cfg.temperature > 0
+        if sampling:
+            torch.manual_seed(self.seed + self.requests)
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            max_new_tokens=self.cfg.max_tokens,
+            do_sample=sampling,
+            temperature=self.cfg.temperature if sampling else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos,
+            **({"cache_implementation": "static"} if self.cfg.kv_cache == "static" else {}),
+        )[:, longest:].cpu()
+        self.requests += len(encoded)
+        results = []
+        for row, e in enumerate(encoded):
+            tokens = out[row].tolist()
+            ended = next((j for j, t in enumerate(tokens) if t in self.eos), None)
+            kept = tokens if ended is None else tokens[:ended]
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            results.append(
+                Completion(
+                    text=text,
+                    reasoning=None,
+                    finish_reason="stop" if ended is not None else "length",
+                    prompt_tokens=len(e),
+                    completion_tokens=len(kept) + (ended is not None),
+                )
+            )
+        return results

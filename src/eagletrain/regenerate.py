@@ -1,0 +1,142 @@
+"""Regenerating every assistant turn of a conversation with the target.
+
+Turn by turn: assistant turn i is replaced by the target's reply to the conversation so far,
+whose earlier assistant turns are already the target's own (multi-turn regeneration). A
+reply's reasoning (`reasoning_content`) is kept beside its content, so the chat template
+can place it; it is not sent back in the history. Turns whose prompt no longer fits
+`data.max_length` are dropped with everything after them: training would trim them anyway.
+
+Each finished conversation is stored in the ledger before anything else happens to it, so
+a killed run re-sends only the conversations that were not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from eagletrain.conversations import Message, Record
+from eagletrain.ledger import Ledger
+from eagletrain.regen_client import Completion, RequestFailed
+
+
+class Backend(Protocol):
+    requests: int
+    retries: int
+
+    async def complete(self, messages: list[dict[str, str]]) -> Completion: ...
+
+
+@dataclass
+class Regenerated:
+    messages: list[Message]
+    finish_reasons: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float = 0.0
+
+    @property
+    def truncated(self) -> bool:
+        return "length" in self.finish_reasons
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "messages": self.messages,
+            "finish_reasons": self.finish_reasons,
+            "truncated": self.truncated,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cost": self.cost,
+        }
+
+
+def _history(messages: list[Message]) -> list[dict[str, str]]:
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+async def regenerate_conversation(
+    messages: list[Message],
+    backend: Backend,
+    fits: Callable[[list[dict[str, str]]], bool],
+) -> Regenerated:
+    """Raises RequestFailed with a short reason when a turn cannot be regenerated."""
+    out = Regenerated([])
+    for message in messages:
+        if message["role"] != "assistant":
+            out.messages.append(dict(message))
+            continue
+        history = _history(out.messages)
+        if not fits(history):
+            break
+        reply = await backend.complete(history)
+        if not reply.text.strip() and not reply.reasoning:
+            raise RequestFailed("empty content")
+        turn: Message = {"role": "assistant", "content": reply.text}
+        if reply.reasoning:
+            turn["reasoning_content"] = reply.reasoning
+        out.messages.append(turn)
+        out.finish_reasons.append(reply.finish_reason)
+        out.prompt_tokens += reply.prompt_tokens
+        out.completion_tokens += reply.completion_tokens
+        out.cost += reply.cost
+    while out.messages and out.messages[-1]["role"] != "assistant":
+        out.messages.pop()  # a question with no reply teaches nothing
+    if not out.finish_reasons:
+        raise RequestFailed("first prompt longer than data.max_length")
+    return out
+
+
+OnResult = Callable[[Record, Regenerated | None, str | None], Awaitable[None] | None]
+
+
+async def regenerate_all(
+    records: Iterable[Record],
+    backend: Backend,
+    ledger: Ledger,
+    fits: Callable[[list[dict[str, str]]], bool],
+    in_flight: int,
+    on_result: OnResult,
+) -> None:
+    """Regenerate records with at most `in_flight` conversations open at once. Each result
+    is stored in the ledger, then handed to `on_result(record, regenerated, error)`.
+    An abort (circuit breaker, bad credentials) cancels the rest and propagates."""
+
+    async def one(record: Record) -> tuple[Record, Regenerated | None, str | None]:
+        try:
+            regenerated = await regenerate_conversation(record.messages or [], backend, fits)
+        except RequestFailed as err:
+            return record, None, f"regenerate: {err.reason}"
+        ledger.save_regenerated(record.key, regenerated.row())
+        return record, regenerated, None
+
+    pending: set[asyncio.Task] = set()
+    finished: list[asyncio.Task] = []
+    source = iter(records)
+    try:
+        while True:
+            for record in source:
+                pending.add(asyncio.create_task(one(record)))
+                if len(pending) >= in_flight:
+                    break
+            if not pending:
+                return
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            finished = list(done)
+            while finished:
+                result = on_result(*finished.pop().result())
+                if asyncio.iscoroutine(result):
+                    await result
+    finally:
+        for task in pending:
+            task.cancel()
+        # collect every outcome (the abort that stopped us included), so none goes unread
+        await asyncio.gather(*pending, *finished, return_exceptions=True)
+
+
+def stored_regeneration(ledger: Ledger, record: Record) -> Regenerated | None:
+    row = ledger.regenerated(record.key)
+    if row is None:
+        return None
+    return Regenerated(row["messages"], row["finish_reasons"])

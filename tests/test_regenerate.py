@@ -1,0 +1,301 @@
+"""Regeneration over a real socket: the OpenAI-compatible client against a server that
+misbehaves on purpose, the multi-turn driver, resume after SIGKILL (asserted by the
+server's own request counts), secrets, and local batched generation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli_env, eagletrain, eagletrain_background, write_conversations
+
+from eagletrain.config import RegenerateConfig
+from eagletrain.fault_server import FaultPlan, FaultServer, conversation_id
+from eagletrain.regen_client import ChatClient, RegenerationAborted, RequestFailed
+from eagletrain.regenerate import regenerate_conversation
+
+SECRET = "sk-test-7f3a9c1e5b2d4f60-do-not-leak"
+
+
+def unique_conversations(path: Path, n: int, seed: int) -> Path:
+    """Synthetic conversations made distinct by a number in the first question."""
+    write_conversations(path, n, seed)
+    lines = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        conv = json.loads(line)
+        conv["conversations"][0]["value"] += f" (question {i})"
+        lines.append(json.dumps(conv) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def fast_regen(base_url: str, **overrides) -> RegenerateConfig:
+    values = {
+        "base_url": base_url,
+        "model": "tiny",
+        "api_key_env": "EAGLETRAIN_TEST_API_KEY",
+        "concurrency": 16,
+        "timeout_s": 0.3,
+        "max_retries": 2,
+        "backoff_base_s": 0.01,
+        "backoff_max_s": 0.05,
+        "circuit_failures": 1000,
+        "circuit_cooldown_s": 0.05,
+        "max_tokens": 40,
+        **overrides,
+    }
+    return RegenerateConfig(**values)
+
+
+def regen_config(tmp_path: Path, base: str, regen: RegenerateConfig, mode: str = "api") -> Path:
+    lines = [f"{k} = {json.dumps(v)}" for k, v in regen.model_dump().items()]
+    path = tmp_path / "regen.toml"
+    path.write_text(
+        base.replace("[data]", f'[data]\nregenerate = "{mode}"', 1)
+        + "\n[data.regen]\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+    return path
+
+
+@pytest.fixture
+def base_config(tiny_config: Path) -> str:
+    return tiny_config.read_text()
+
+
+def ledger_rows(run: Path, sql: str) -> list[tuple]:
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def test_multi_turn_regeneration_keeps_reasoning_and_regenerated_history():
+    plan = FaultPlan(reasoning=True)
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "old answer 1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "old answer 2"},
+    ]
+
+    async def go(url: str):
+        async with ChatClient(fast_regen(url)) as client:
+            return await regenerate_conversation(messages, client, lambda _h: True)
+
+    with FaultServer(plan) as server:
+        out = asyncio.run(go(server.base_url))
+        conv = conversation_id(messages)
+        assert server.stats.answered[(conv, 0)] == 1 and server.stats.answered[(conv, 1)] == 1
+    assert [m["role"] for m in out.messages] == [m["role"] for m in messages]
+    assert "old answer" not in out.messages[2]["content"] + out.messages[4]["content"]
+    # the second turn was answered on the regenerated first reply, not on the original
+    from eagletrain.fault_server import reply_text
+
+    history = [{"role": m["role"], "content": m["content"]} for m in out.messages[:4]]
+    assert out.messages[4]["content"] == reply_text(history, plan.reply_words)
+    assert out.messages[2]["reasoning_content"] == "thinking about turn 2"
+    assert out.finish_reasons == ["stop", "stop"]
+
+
+def test_retry_after_is_honoured_and_non_retriable_status_fails_at_once():
+    async def timed(url: str, **kw):
+        async with ChatClient(fast_regen(url, concurrency=1, max_retries=8, **kw)) as client:
+            start = time.perf_counter()
+            await client.complete([{"role": "user", "content": "hi"}])
+            return time.perf_counter() - start
+
+    plan = FaultPlan(fault_rate=0.6, faults=("429",), retry_after_s=0.25, seed=3)
+    with FaultServer(plan) as server:
+        elapsed = sum(asyncio.run(timed(server.base_url)) for _ in range(4))
+        throttled = server.stats.faults["429"]
+    assert throttled >= 1
+    assert elapsed >= 0.25 * throttled  # each 429 waited at least its Retry-After
+
+    with FaultServer(FaultPlan(api_key="right")) as server:
+        os.environ["EAGLETRAIN_TEST_API_KEY"] = "wrong"
+        try:
+            with pytest.raises(RegenerationAborted, match="HTTP 401"):
+                asyncio.run(timed(server.base_url))
+        finally:
+            del os.environ["EAGLETRAIN_TEST_API_KEY"]
+        assert server.stats.requests == 1  # a refused key is not retried
+
+
+def test_circuit_breaker_stops_a_failing_server():
+    async def go(url: str):
+        cfg = fast_regen(url, circuit_failures=3, circuit_max_trips=2, max_retries=50)
+        async with ChatClient(cfg) as client:
+            await client.complete([{"role": "user", "content": "hi"}])
+
+    with FaultServer(FaultPlan(fault_rate=1.0, faults=("500",))) as server:
+        with pytest.raises(RegenerationAborted, match="in a row"):
+            asyncio.run(go(server.base_url))
+        assert server.stats.requests == 6  # two openings of three failures each, then stop
+
+
+def test_retries_exhausted_is_a_failure_with_its_reason():
+    async def go(url: str):
+        async with ChatClient(fast_regen(url, max_retries=1)) as client:
+            await client.complete([{"role": "user", "content": "hi"}])
+
+    plan = FaultPlan(fault_rate=1.0, faults=("malformed",))
+    with FaultServer(plan) as server, pytest.raises(RequestFailed, match=r"bad response.*after 2"):
+        asyncio.run(go(server.base_url))
+
+
+def test_500_conversations_with_30_percent_faults(tmp_path: Path, base_config: str):
+    """Every conversation ends done, or failed with its reason; the key never leaks."""
+    source = unique_conversations(tmp_path / "conv.jsonl", 500, seed=11)
+    with source.open("a") as f:  # ten repeats: items skipped as duplicates, still counted
+        f.writelines(source.read_text().splitlines(keepends=True)[:10])
+    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    run = tmp_path / "run"
+    plan = FaultPlan(fault_rate=0.3, stall_s=0.6, api_key=SECRET, seed=5)
+    with FaultServer(plan) as server:
+        config = regen_config(tmp_path, base, fast_regen(server.base_url))
+        env = cli_env(EAGLETRAIN_TEST_API_KEY=SECRET)
+        result = eagletrain("data", config, "--run-dir", run, env=env)
+        stats = server.stats
+    assert set(stats.faults) == set(plan.faults), stats.faults  # every kind was injected
+    assert stats.auth_headers == {f"Bearer {SECRET}"}
+    states = dict(ledger_rows(run, "SELECT state, COUNT(*) FROM items GROUP BY state"))
+    assert sum(states.values()) == 510
+    assert set(states) <= {"done", "failed", "skipped"}
+    skipped = dict(
+        ledger_rows(run, "SELECT error, COUNT(*) FROM items WHERE state='skipped' GROUP BY 1")
+    )
+    assert skipped.get("duplicate conversation") == 10
+    failed = ledger_rows(run, "SELECT key, error FROM items WHERE state='failed'")
+    assert all(err and err.startswith("regenerate: ") for _k, err in failed)
+    if failed:  # the stage is not complete: one line naming the failed samples, exit 5
+        assert result.returncode == 5 and failed[0][0] in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    else:
+        assert result.returncode == 0, result.stderr
+    assert states.get("done", 0) >= 450
+    # usage and cost are summed in the ledger, and status shows them
+    detail = json.loads(ledger_rows(run, "SELECT detail FROM stages WHERE stage='data'")[0][0])
+    totals = detail["regeneration"]
+    assert totals["conversations"] == states["done"] + states["skipped"] - 10
+    assert totals["completion_tokens"] > 0 and totals["cost"] > 0
+    status = eagletrain("status", run, env=env)
+    assert "regenerated" in status.stdout
+    # the secret is nowhere: not in the run directory (ledger included), not in any output
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    assert SECRET not in result.stdout + result.stderr + status.stdout + status.stderr
+
+
+def test_sigkill_mid_regeneration_resends_nothing_finished(tmp_path: Path, base_config: str):
+    source = unique_conversations(tmp_path / "conv.jsonl", 120, seed=12)
+    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    run = tmp_path / "run"
+    with FaultServer(FaultPlan(fault_rate=0.3, stall_s=0.6, seed=9)) as server:
+        config = regen_config(tmp_path, base, fast_regen(server.base_url, max_retries=8))
+        env = cli_env(EAGLETRAIN_FAULT_DELAY="data:0.05")
+        proc = eagletrain_background(
+            "data", config, "--run-dir", run, env=env, log=tmp_path / "log"
+        )
+
+        def saved() -> int:
+            if not (run / "ledger.sqlite").exists():
+                return 0
+            try:
+                return ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0]
+            except sqlite3.OperationalError:
+                return 0
+
+        deadline = time.time() + 120
+        while saved() < 30 and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rows = ledger_rows(run, "SELECT key, messages FROM regenerated")
+        assert 30 <= len(rows) < 120, len(rows)
+        finished = {conversation_id(json.loads(m)) for _k, m in rows}
+        before = dict(server.stats.requested)
+        server.stats.requested.clear()
+        result = eagletrain("data", config, "--run-dir", run, env=cli_env())
+        after = dict(server.stats.requested)
+    assert result.returncode == 0, result.stderr
+    resent = {c: n for c, n in after.items() if c in finished}
+    assert not resent, f"finished conversations sent again: {resent}"
+    assert before and after  # both runs talked to the server
+    states = dict(ledger_rows(run, "SELECT state, COUNT(*) FROM items GROUP BY state"))
+    assert states == {"done": 120}
+    assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] == 120
+
+
+def test_local_regeneration_left_padded_batches_equal_one_by_one(tiny_target: Path):
+    from eagletrain.regen_local import LocalGenerator
+    from eagletrain.target import TargetSource, load_target, load_tokenizer
+
+    source = TargetSource(tiny_target, "tiny")
+    tokenizer, model = load_tokenizer(source), load_target(source, "float32", "cpu")
+    gen = LocalGenerator(model, tokenizer, RegenerateConfig(max_tokens=10, batch_size=4))
+    chats = [
+        [{"role": "user", "content": text}]
+        for text in ("What is one plus two?", "two", "And nine times four?", "seven eight")
+    ]
+    batched = gen.generate(chats)
+    single = [gen.generate([c])[0] for c in chats]
+    assert [b.text for b in batched] == [s.text for s in single]
+    assert all(b.completion_tokens > 0 for b in batched)
+    static_cfg = RegenerateConfig(max_tokens=10, batch_size=4, kv_cache="static")
+    static = LocalGenerator(model, tokenizer, static_cfg).generate(chats)
+    assert [s.text for s in static] == [b.text for b in batched]
+
+
+def test_local_regeneration_through_the_cli(tmp_path: Path, base_config: str):
+    run = tmp_path / "run"
+    config = regen_config(
+        tmp_path, base_config, RegenerateConfig(max_tokens=8, batch_size=8), mode="local"
+    )
+    result = eagletrain("data", config, "--run-dir", run)
+    assert result.returncode == 0, result.stderr
+    assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] > 0
+    source = Path(base_config.split('source = "')[1].split('"')[0])
+    originals = {
+        turn["value"]
+        for line in source.read_text().splitlines()
+        for turn in json.loads(line)["conversations"]
+        if turn["from"] == "gpt"
+    }
+    replies = [
+        m["content"]
+        for (messages,) in ledger_rows(run, "SELECT messages FROM regenerated")
+        for m in json.loads(messages)
+        if m["role"] == "assistant"
+    ]
+    assert replies and not originals.intersection(replies)  # every reply is the target's own
+    detail = json.loads(ledger_rows(run, "SELECT detail FROM stages WHERE stage='data'")[0][0])
+    assert detail["regenerated_by"].startswith("local:")
+    assert detail["regeneration"]["requests"] > 0
+
+
+def test_refused_key_stops_the_stage_with_one_line_and_keeps_nothing_secret(
+    tmp_path: Path, base_config: str
+):
+    run = tmp_path / "run"
+    with FaultServer(FaultPlan(api_key="the-right-key")) as server:
+        config = regen_config(tmp_path, base_config, fast_regen(server.base_url))
+        result = eagletrain(
+            "data", config, "--run-dir", run, env=cli_env(EAGLETRAIN_TEST_API_KEY=SECRET)
+        )
+    assert result.returncode == 8, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "401" in result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
