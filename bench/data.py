@@ -5,9 +5,9 @@
                                    [--tokenize 2000] [--local 16] [--max-tokens 64]
 
 1. `regen`: the real data stage (`run_data`, regenerate = "api") on packaged ShareGPT
-   conversations against eagletrain's fault server on loopback, whose every reply waits
-   `--latency` seconds like a server's decode time. Rate is taken from the ledger's own
-   timestamps (first to last stored conversation), so model/tokenizer loading is excluded.
+   conversations against eagletrain's fault server on loopback (its own process), whose
+   every reply waits `--latency` seconds like a server's decode time. Rate is taken from
+   the ledger's own timestamps (first to last stored conversation), excluding loading.
    `ideal` is concurrency / latency (every slot always busy, no faults); the ratio shows how
    much of the allowed concurrency the client keeps in use.
 2. `tokenize`: SmolLM2's chat template + assistant mask on packaged ShareGPT, samples/s.
@@ -21,9 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,17 +39,30 @@ from eagletrain.config import Config, RegenerateConfig
 from eagletrain.conversations import read_records
 from eagletrain.data import run_data
 from eagletrain.errors import VerifyError
-from eagletrain.fault_server import FaultPlan, FaultServer
 from eagletrain.regen_local import LocalGenerator
 from eagletrain.rundir import open_run
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
 
 
+@contextlib.contextmanager
+def fault_server(args: argparse.Namespace, fault_rate: float, port: int) -> Iterator[str]:
+    """The fault server in its own process, so client and server do not share one GIL."""
+    cmd = [sys.executable, "-m", "eagletrain.fault_server", "--port", str(port)]
+    cmd += ["--fault-rate", str(fault_rate), "--latency", str(args.latency), "--stall", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "serving" in proc.stdout.readline()
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 def bench_regen(args: argparse.Namespace, fault_rate: float) -> dict[str, float]:
-    plan = FaultPlan(fault_rate=fault_rate, latency_s=args.latency, stall_s=1.0, seed=1)
-    with tempfile.TemporaryDirectory() as tmp, FaultServer(plan) as server:
+    port = 18000 + int(fault_rate * 100)
+    with tempfile.TemporaryDirectory() as tmp, fault_server(args, fault_rate, port) as url:
         regen = {
-            "base_url": server.base_url,
+            "base_url": url,
             "model": "bench",
             "concurrency": args.concurrency,
             "timeout_s": 0.5,
@@ -73,8 +90,11 @@ def bench_regen(args: argparse.Namespace, fault_rate: float) -> dict[str, float]
         ).fetchone()
         turns = conn.execute("SELECT SUM(turns) FROM regen_totals").fetchone()[0]
         failed = conn.execute("SELECT COUNT(*) FROM items WHERE state='failed'").fetchone()[0]
+        detail = json.loads(
+            conn.execute("SELECT detail FROM stages WHERE stage='data'").fetchone()[0]
+        )
         conn.close()
-        requests = server.stats.requests
+        requests = detail["regeneration"]["requests"]
         elapsed = last - first
     return {
         "fault_rate": fault_rate,
@@ -142,7 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    console = Console()
+    console = Console(width=140)
     regen = [bench_regen(args, 0.0), bench_regen(args, args.fault_rate)]
     table = Table(
         title=f"regeneration over HTTP (concurrency {args.concurrency}, "

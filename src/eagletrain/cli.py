@@ -164,9 +164,10 @@ def _stage_command(stage: str, sharded: bool):
     ) -> None:
         from eagletrain.pipeline import stage_runners
 
-        partition = _partition(shard)
-        if partition != (0, 1) and not sharded:
+        if shard is not None and not sharded:
             raise InputError(f"--shard applies to data and extract, not {stage}")
+        # under torchrun, train splits each batch between the ranks itself
+        partition = _partition(shard) if sharded else (0, 1)
         if repair and stage != "extract":
             raise InputError(f"--repair applies to extract, not {stage}")
         r = _open(config, run_dir, set_)

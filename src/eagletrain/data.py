@@ -159,7 +159,10 @@ def _regenerate_and_tokenize(
         return len(tokenizer(text, add_special_tokens=False)["input_ids"]) < cfg.max_length
 
     def on_result(record: Record, regenerated: Any, error: str | None) -> None:
-        if error is not None:
+        if error is not None and error.startswith("skip: "):
+            result = {"key": record.key, "state": "skipped", "error": error[len("skip: ") :]}
+            writer.add(ord_of[record.key], result, None, None)
+        elif error is not None:
             result = {"key": record.key, "state": "failed", "error": error}
             writer.add(ord_of[record.key], result, None, None)
         elif regenerated.truncated and cfg.regen.on_length == "drop":
@@ -241,7 +244,9 @@ def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:
 
     def done_count(led) -> int:
         counts = led.counts(STAGE)
-        return counts.get("done", 0) + counts.get("skipped", 0) + counts.get("failed", 0)
+        finished = counts.get("done", 0) + counts.get("skipped", 0) + counts.get("failed", 0)
+        # regenerated conversations count as progress before their chunk lands
+        return finished + (led.regenerated_pending() if cfg.data.regenerate != "none" else 0)
 
     with WorkerSession(ledger, run.dir, STAGE, part, done_counter=done_count) as worker:
         unfinished = ledger.unfinished_shards(STAGE, part)

@@ -12,7 +12,9 @@ as a serving engine advances positions by one per draft step.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,39 @@ from transformers.models.llama.modeling_llama import (
 )
 
 KV = tuple[torch.Tensor, torch.Tensor]
+
+# TTT attention: "flex" (flex_attention over the block-sparse TTT mask; CUDA) or "dense"
+# (the scores materialised, plain matmuls: the reference, and the CPU path)
+TTT_ATTENTION = os.environ.get("EAGLETRAIN_TTT_ATTENTION", "auto")
+
+
+@functools.cache
+def _flex_attention():
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # one compiled kernel per (TTT step, sequence length): more than dynamo's default 8,
+    # past which it would fall back to the slow unfused path
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
+def _ttt_block_mask(t: int, keys: int, device: torch.device):
+    """Queries at index q see step 0's keys at indices <= q and, in each later step's block
+    of t keys, the key at index q only."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, kv):
+        return torch.where(kv < t, kv <= q, (kv % t) == q)
+
+    return create_block_mask(mask_mod, None, None, t, keys, device=device)
+
+
+def use_flex(x: torch.Tensor) -> bool:
+    return TTT_ATTENTION == "flex" or (TTT_ATTENTION == "auto" and x.is_cuda)
 
 
 def drafter_config(
@@ -95,6 +130,20 @@ class Eagle3Attention(nn.Module):
         indices <= i (the target-feature prefix) and steps 1..k at index i only (its chain)."""
         q, k, v = self._qkv(x, cos, sin)
         past.append((k, v))
+        if use_flex(x):
+            t = x.shape[1]
+            keys = torch.cat([kj for kj, _ in past], dim=2)
+            values = torch.cat([vj for _, vj in past], dim=2)
+            mask = _ttt_block_mask(t, keys.shape[2], x.device)
+            out = _flex_attention()(
+                q,
+                keys,
+                values,
+                block_mask=mask,
+                scale=1.0 / math.sqrt(self.head_dim),
+                enable_gqa=True,
+            )
+            return self._out(out)
         rep = self.num_heads // self.num_kv_heads
         k0, v0 = repeat_kv(past[0][0], rep), repeat_kv(past[0][1], rep)
         scale = 1.0 / math.sqrt(self.head_dim)

@@ -152,6 +152,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # many clients connect at once
 
     def __init__(self, address: tuple[str, int], plan: FaultPlan):
         super().__init__(address, _Handler)
@@ -192,8 +193,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--fault-rate", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds per reply")
+    parser.add_argument("--stall", type=float, default=2.0, help="seconds a stall lasts")
     args = parser.parse_args()
-    with FaultServer(FaultPlan(args.fault_rate, seed=args.seed), args.port) as server:
+    plan = FaultPlan(args.fault_rate, seed=args.seed, latency_s=args.latency, stall_s=args.stall)
+    with FaultServer(plan, args.port) as server:
         print(f"serving {server.base_url}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             server.thread.join()

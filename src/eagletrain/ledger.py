@@ -374,6 +374,18 @@ class Ledger:
             "truncated": bool(row[2]),
         }
 
+    def regenerated_pending(self, stage: str = "data") -> int:
+        """Conversations regenerated whose sample is not yet in a durable chunk."""
+        try:
+            row = self.conn.execute(
+                "SELECT COUNT(*) FROM regenerated r JOIN items i ON i.stage=? AND i.key=r.key "
+                "WHERE i.state='pending'",
+                (stage,),
+            ).fetchone()
+        except sqlite3.OperationalError:  # a ledger from before regeneration existed
+            return 0
+        return int(row[0])
+
     def regen_totals(self) -> dict[str, Any]:
         try:
             row = self.conn.execute(

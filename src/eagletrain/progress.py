@@ -25,7 +25,7 @@ class RateColumn(ProgressColumn):
         return Text("-" if speed is None else f"{speed:.2f} {unit}/s", style="cyan")
 
 
-def stage_progress() -> Progress:
+def stage_progress(disable: bool = False) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -35,4 +35,5 @@ def stage_progress() -> Progress:
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
+        disable=disable,
     )

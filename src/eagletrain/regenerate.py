@@ -84,8 +84,12 @@ async def regenerate_conversation(
     while out.messages and out.messages[-1]["role"] != "assistant":
         out.messages.pop()  # a question with no reply teaches nothing
     if not out.finish_reasons:
-        raise RequestFailed("first prompt longer than data.max_length")
+        raise NothingToRegenerate("first prompt longer than data.max_length")
     return out
+
+
+class NothingToRegenerate(Exception):
+    """The conversation has no turn that can be regenerated within the length limit."""
 
 
 OnResult = Callable[[Record, Regenerated | None, str | None], Awaitable[None] | None]
@@ -100,12 +104,15 @@ async def regenerate_all(
     on_result: OnResult,
 ) -> None:
     """Regenerate records with at most `in_flight` conversations open at once. Each result
-    is stored in the ledger, then handed to `on_result(record, regenerated, error)`.
+    is stored in the ledger, then handed to `on_result(record, regenerated, error)`;
+    an error starting with "skip: " is a conversation with nothing to regenerate.
     An abort (circuit breaker, bad credentials) cancels the rest and propagates."""
 
     async def one(record: Record) -> tuple[Record, Regenerated | None, str | None]:
         try:
             regenerated = await regenerate_conversation(record.messages or [], backend, fits)
+        except NothingToRegenerate as err:  # not a failure: retrying cannot help
+            return record, None, f"skip: {err}"
         except RequestFailed as err:
             return record, None, f"regenerate: {err.reason}"
         ledger.save_regenerated(record.key, regenerated.row())

@@ -77,7 +77,7 @@ def open_run(config: Config, run_dir: Path | None) -> Run:
                 f"{config_path}: this run already started with different values for "
                 f"{', '.join(conflicts)}; use a new --run-dir"
             )
-    tmp = config_path.with_suffix(".tmp")
+    tmp = config_path.with_suffix(f".tmp{os.getpid()}")  # ranks may open it together
     tmp.write_text(dump_toml(config))
     os.replace(tmp, config_path)
     return Run(run_dir, config, ledger)

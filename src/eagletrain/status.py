@@ -112,7 +112,7 @@ def stage_status(ledger: Ledger, stage: str, now: float | None = None) -> StageS
     if stage == "data":
         totals = ledger.regen_totals()
         if totals.get("conversations"):
-            st.regeneration = totals
+            st.regeneration = {**totals, "awaiting_chunk": ledger.regenerated_pending()}
 
     latest: dict[str, dict[str, Any]] = {}
     for w in ledger.workers(stage):
@@ -156,6 +156,7 @@ def stage_status(ledger: Ledger, stage: str, now: float | None = None) -> StageS
     if st.verdict in ("running", "stalled"):
         st.rate_per_s = _rate(ledger, stage, now)
         remaining = st.total - st.done - st.failed - st.skipped
+        remaining -= st.regeneration.get("awaiting_chunk", 0)
         if st.rate_per_s:
             st.eta_s = remaining / st.rate_per_s
     return st
@@ -202,6 +203,7 @@ def format_line(st: StageStatus) -> str:
             f"\n{'':10}regenerated {r['conversations']} conversations ({r['turns']} turns, "
             f"{r['truncated']} truncated), {r['prompt_tokens']} prompt + "
             f"{r['completion_tokens']} completion tokens, cost {r['cost']:.4f}"
+            + (f"; {r['awaiting_chunk']} awaiting their chunk" if r["awaiting_chunk"] else "")
         )
     for reason, n in sorted(st.reasons.items()):
         line += f"\n{'':10}{n} x {reason}"

@@ -7,9 +7,11 @@ held-out evaluation (simulated acceptance length) and a safetensors checkpoint a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from eagletrain.errors import ConfigError, InputError
 from eagletrain.extract import read_dataset_metadata
 from eagletrain.faults import inject_delay
 from eagletrain.hidden_dataset import Batch, HiddenSamples
+from eagletrain.parallel import Parallel, init_parallel
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
 from eagletrain.target import load_target, pick_device, resolve_target
@@ -34,7 +37,7 @@ from eagletrain.train_state import (
     save_train_state,
     truncate_metrics,
 )
-from eagletrain.ttt import TargetHead, TTTResult, step_weights, ttt_forward
+from eagletrain.ttt import TargetHead, TTTObjective, TTTResult, step_denominators, step_weights
 from eagletrain.worker import WorkerSession
 
 STAGE = "train"
@@ -81,18 +84,25 @@ def lr_lambda(warmup: int, total: int):
 
 
 def batch_ttt(
+    objective: torch.nn.Module,
     drafter: Eagle3Drafter,
-    embed: torch.nn.Embedding,
     head: TargetHead,
     batch: Batch,
     steps: int,
     weights: list[float],
+    parallel: Parallel | None = None,
 ) -> TTTResult:
-    """The TTT loss and metrics of one batch, target distribution from its stored states."""
+    """The TTT loss and metrics of one batch, target distribution from its stored states.
+    Under data parallelism this rank's batch is its share of the global one: losses are
+    normalised by the global mask sums and scaled by the world size, since DDP averages."""
     with torch.no_grad(), torch.autocast(batch.aux.device.type, enabled=False):
         p, in_vocab = head.distribution(batch.last, drafter.target_ids(), drafter.t2d)
-    return ttt_forward(
-        drafter, embed, batch.aux, batch.input_ids, batch.loss_mask, p, in_vocab, steps, weights
+    denominators = None
+    if parallel is not None and parallel.active:
+        denominators = parallel.sum(step_denominators(batch.loss_mask, in_vocab, steps))
+        weights = [w * parallel.world for w in weights]
+    return objective(
+        batch.aux, batch.input_ids, batch.loss_mask, p, in_vocab, steps, weights, denominators
     )
 
 
@@ -107,6 +117,7 @@ def evaluate_heldout(
     batch_size: int,
 ) -> dict[str, Any]:
     drafter.eval()
+    objective = TTTObjective(drafter, embed)
     totals: dict[str, Any] = {"loss": 0.0, "acc": [0.0] * steps, "cond_acc": [0.0] * steps}
     accepted_sum, counted_sum, batches = 0.0, 0, 0
     with torch.no_grad():
@@ -114,7 +125,7 @@ def evaluate_heldout(
             batch = data.batch(list(range(s, min(s + batch_size, len(data))))).to(
                 device, torch.float32
             )
-            r = batch_ttt(drafter, embed, head, batch, steps, weights)
+            r = batch_ttt(objective, drafter, head, batch, steps, weights)
             totals["loss"] += float(r.loss)
             for k in range(steps):
                 totals["acc"][k] += r.step_acc[k]
@@ -145,6 +156,13 @@ def save_checkpoint(directory: Path, drafter: Eagle3Drafter, extra: dict[str, An
     return hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()[:32]
 
 
+def steps_in_epoch(samples: int, batch_size: int, world: int) -> int:
+    """Batches per epoch; under data parallelism a last batch too small to give every rank
+    a sample is left out (every rank must take part in every step)."""
+    full, rest = divmod(samples, batch_size)
+    return full + (1 if rest >= world else 0)
+
+
 def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     ledger, cfg = run.ledger, run.config
     if ledger.completion(STAGE) is not None:
@@ -154,7 +172,23 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     check_dataset(run, meta)
     tc = cfg.train
     torch.manual_seed(cfg.run.seed)
-    device = pick_device(tc.device)
+    parallel = init_parallel(pick_device(tc.device))
+    try:
+        return _train(run, meta, parallel, allow_partial)
+    finally:
+        parallel.close()
+
+
+def _train(
+    run: Run, meta: dict[str, Any], parallel: Parallel, allow_partial: bool
+) -> dict[str, Any] | None:
+    ledger, cfg, tc = run.ledger, run.config, run.config.train
+    device = parallel.device(pick_device(tc.device))
+    if tc.batch_size % parallel.world:
+        raise ConfigError(
+            f"train.batch_size {tc.batch_size} (the global batch) is not divisible by the "
+            f"{parallel.world} ranks"
+        )
     items = ledger.items("extract", "done")
     train_items = [i for i in items if i.split != "heldout"]
     heldout_items = [i for i in items if i.split == "heldout"]
@@ -172,14 +206,21 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
             ids = train_data.tensor(i, "input_ids")
             yield ids[train_data.tensor(i, "loss_mask").bool()]
 
-    draft_ids = load_or_build(
-        run.dir / "train",
-        digest,
-        tc.draft_vocab_size,
-        meta["target"],
-        masked_tokens,
-        target_config.vocab_size,
-    )
+    def draft_vocab() -> torch.Tensor:
+        return load_or_build(
+            run.dir / "train",
+            digest,
+            tc.draft_vocab_size,
+            meta["target"],
+            masked_tokens,
+            target_config.vocab_size,
+        )
+
+    if parallel.main:  # built once, then read from its cache by the other ranks
+        draft_ids = draft_vocab()
+    parallel.barrier()
+    if not parallel.main:
+        draft_ids = draft_vocab()
     dcfg = drafter_config(
         target_config, tc.draft_vocab_size, meta["aux_layer_ids"], tc.norm_before_residual
     )
@@ -189,7 +230,7 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     embed.to(device)
     head = TargetHead(head.norm_weight.to(device), head.norm_eps, head.lm_head.to(device))
 
-    steps_per_epoch = math.ceil(len(train_data) / tc.batch_size)
+    steps_per_epoch = steps_in_epoch(len(train_data), tc.batch_size, parallel.world)
     total_steps = steps_per_epoch * tc.epochs
     optimizer = torch.optim.AdamW(
         drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0
@@ -200,23 +241,34 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     weights = step_weights(tc.ttt_steps, tc.step_weight_decay)
     train_dir = run.dir / "train"
     metrics_path = run.path("train", "metrics.jsonl")
-    ledger.begin_stage(STAGE, "units", total_steps, "steps")
+    if parallel.main:
+        ledger.begin_stage(STAGE, "units", total_steps, "steps")
+    parallel.barrier()
     resume = (ledger.stage_row(STAGE) or {}).get("detail", {}).get("resume")
     position = Position(0, 0, 0)
     if resume and (train_dir / resume).is_dir():
         position = load_train_state(train_dir / resume, drafter, optimizer, scheduler)
-    truncate_metrics(metrics_path, position.step)
-    ledger.set_units_done(STAGE, position.step)
+    if parallel.main:
+        truncate_metrics(metrics_path, position.step)
+        ledger.set_units_done(STAGE, position.step)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     step = position.step
+    objective: torch.nn.Module = TTTObjective(drafter, embed)
+    if parallel.active:
+        from torch.nn.parallel import DistributedDataParallel
+
+        objective = DistributedDataParallel(objective)
 
     def done_steps(led) -> int:
         return (led.stage_row(STAGE) or {}).get("units_done", 0)
 
+    # only rank 0 reports: the ledger, metrics and the progress bar
     with (
-        WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_steps) as worker,
-        metrics_path.open("a") as metrics,
-        stage_progress() as bar,
+        WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_steps)
+        if parallel.main
+        else contextlib.nullcontext() as worker,
+        metrics_path.open("a") if parallel.main else open(os.devnull, "w") as metrics,
+        stage_progress(disable=not parallel.main) as bar,
     ):
         task = bar.add_task("train", total=total_steps, completed=step, unit="steps")
         start = time.time()
@@ -227,39 +279,58 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
             first = position.batch if epoch == position.epoch else 0
             for b in range(first, steps_per_epoch):
                 indices = order[b * tc.batch_size : (b + 1) * tc.batch_size]
-                batch = train_data.batch(indices).to(device, torch.float32)
+                mine = indices[parallel.rank :: parallel.world]
+                batch = train_data.batch(mine).to(device, torch.float32)
                 with autocast:
-                    r = batch_ttt(drafter, embed, head, batch, tc.ttt_steps, weights)
+                    r = batch_ttt(objective, drafter, head, batch, tc.ttt_steps, weights, parallel)
                 optimizer.zero_grad(set_to_none=True)
                 r.loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
                 optimizer.step()
                 scheduler.step()
                 step += 1
+                # global figures: losses and accuracies are shares of the global batch
+                shares = torch.tensor(
+                    [r.loss.item(), *r.step_loss, *r.step_acc, int(batch.loss_mask.sum())],
+                    dtype=torch.float64,
+                    device=device,
+                )
+                shares = parallel.sum(shares).tolist()
+                k = tc.ttt_steps
+                if parallel.active:  # per-rank losses were scaled by the world size
+                    shares[0] /= parallel.world
                 record = {
                     "step": step,
                     "epoch": epoch,
                     "time": time.time() - start,
-                    "loss": r.loss.item(),
+                    "loss": shares[0],
                     "lr": scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm),
-                    "tokens": int(batch.loss_mask.sum()),
-                    **{f"loss_{k}": v for k, v in enumerate(r.step_loss)},
-                    **{f"acc_{k}": v for k, v in enumerate(r.step_acc)},
-                    **{f"cond_acc_{k}": v for k, v in enumerate(r.step_cond_acc)},
+                    "tokens": int(shares[-1]),
+                    **{f"loss_{j}": v for j, v in enumerate(shares[1 : 1 + k])},
+                    **{f"acc_{j}": v for j, v in enumerate(shares[1 + k : 1 + 2 * k])},
+                    # conditional accuracy is rank 0's own share (not reduced)
+                    **{f"cond_acc_{j}": v for j, v in enumerate(r.step_cond_acc)},
                 }
-                metrics.write(json.dumps(record) + "\n")
-                ledger.set_units_done(STAGE, step)
-                worker.progressed()
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
-                    metrics.flush()
-                    name = save_train_state(
-                        train_dir, Position(step, epoch, b + 1), drafter, optimizer, scheduler
-                    )
-                    ledger.update_detail(STAGE, resume=name)
-                    remove_older(train_dir, name)
+                if parallel.main:
+                    metrics.write(json.dumps(record) + "\n")
+                    ledger.set_units_done(STAGE, step)
+                    worker.progressed()
+                    if (
+                        tc.checkpoint_every
+                        and step % tc.checkpoint_every == 0
+                        and step < total_steps
+                    ):
+                        metrics.flush()
+                        name = save_train_state(
+                            train_dir, Position(step, epoch, b + 1), drafter, optimizer, scheduler
+                        )
+                        ledger.update_detail(STAGE, resume=name)
+                        remove_older(train_dir, name)
                 bar.advance(task)
                 inject_delay("train")
+        if not parallel.main:
+            return None
         metrics.flush()
         evaluation = evaluate_heldout(
             drafter,
@@ -272,6 +343,7 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
             tc.batch_size,
         )
         evaluation["heldout_split"] = "heldout" if len(heldout) else "train (no heldout)"
+        evaluation["world_size"] = parallel.world
         metrics.write(json.dumps({"step": step, "eval": evaluation}) + "\n")
         checksum = save_checkpoint(
             run.dir / "train" / CHECKPOINT, drafter, {"steps": step, **evaluation}

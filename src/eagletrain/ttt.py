@@ -72,7 +72,10 @@ def ttt_forward(
     target_in_vocab: torch.Tensor,  # [B, T] bool
     steps: int,
     step_weights: list[float],
+    denominators: torch.Tensor | None = None,  # [steps]: mask sums over the global batch
 ) -> TTTResult:
+    """With `denominators` (data parallelism), step k's loss is this rank's share of the
+    global batch's: summed over ranks it equals the single-process loss."""
     b, t = input_ids.shape
     positions = torch.arange(t, device=aux.device).expand(b, t)
     hidden = drafter.fc(aux)
@@ -88,7 +91,7 @@ def ttt_forward(
         logits = drafter.logits(hidden).float()
         target = shift(target_p, 1 + k)
         mask = shift(loss_mask, 2 + k) & shift(target_in_vocab, 1 + k)
-        denom = mask.sum().clamp(min=1)
+        denom = (mask.sum() if denominators is None else denominators[k]).clamp(min=1)
         step_loss = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
         step_loss = (step_loss * mask).sum() / denom
         loss = loss + step_weights[k] * step_loss
@@ -103,6 +106,27 @@ def ttt_forward(
             accepted += chain.long()
     out.loss = loss
     return out
+
+
+def step_denominators(
+    loss_mask: torch.Tensor, target_in_vocab: torch.Tensor, steps: int
+) -> torch.Tensor:
+    """Each TTT step's count of scored positions (the masks `ttt_forward` builds)."""
+    return torch.stack(
+        [(shift(loss_mask, 2 + k) & shift(target_in_vocab, 1 + k)).sum() for k in range(steps)]
+    )
+
+
+class TTTObjective(torch.nn.Module):
+    """The drafter with its frozen embedding, as one module whose forward is the TTT unroll,
+    so that DDP can wrap it; the drafter itself knows nothing of the parallelism."""
+
+    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Embedding):
+        super().__init__()
+        self.drafter, self.embed = drafter, embed.requires_grad_(False)
+
+    def forward(self, *args: object, **kwargs: object) -> TTTResult:
+        return ttt_forward(self.drafter, self.embed, *args, **kwargs)
 
 
 def step_weights(steps: int, decay: float) -> list[float]:

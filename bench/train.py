@@ -1,0 +1,155 @@
+"""Trainer throughput, MFU and peak memory on a Llama-3.1-8B-shaped drafter.
+
+    .venv/bin/python bench/train.py [--batches 1,2,4,8,16] [--seq 2048] [--ttt 7] [--iters 5]
+
+The drafter (hidden 4096, intermediate 14336, 32/8 heads, target vocab 128256, draft vocab
+32000) is eagletrain's own `Eagle3Drafter`, trained by the real `ttt_forward` (exact TTT
+attention pattern) on random features, with the frozen target head producing the target
+distribution from a random last-layer state, bf16 autocast and fused AdamW, as train.py.
+FLOPs per token: 6 x (TTT x (q,k,v,o + MLP + lm_head MACs + seq x hidden) + fc MACs)
++ 2 x hidden x draft_vocab, over a 790 TFLOP/s bf16 ceiling (H200, measured).
+A batch that does not fit is reported as OOM. Prints a table, then `mfu=<x>` last (the
+largest batch that fit, up to 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import LlamaConfig
+
+from eagletrain import drafter as drafter_module
+from eagletrain.drafter import Eagle3Drafter, drafter_config
+from eagletrain.ttt import TargetHead, step_weights, ttt_forward
+
+PEAK_FLOPS = 790e12
+
+
+def flops_per_token(cfg: LlamaConfig, seq: int, ttt: int) -> float:
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q = 2 * h * cfg.num_attention_heads * hd
+    kv = 2 * (2 * h * cfg.num_key_value_heads * hd)
+    o = cfg.num_attention_heads * hd * h
+    per_step = q + kv + o + 3 * h * i + h * cfg.draft_vocab_size + seq * h
+    fc = 3 * cfg.target_hidden_size * h
+    return 6 * (ttt * per_step + fc) + 2 * h * cfg.draft_vocab_size
+
+
+def agreement(drafter, embed, head, weights, ttt: int, b: int = 2, t: int = 384) -> str:
+    """flex and dense TTT attention on the same batch: loss and fc-gradient difference."""
+    device = embed.weight.device
+    torch.manual_seed(1)
+    aux = torch.randn(b, t, 3 * 4096, device=device, dtype=torch.bfloat16)
+    last = torch.randn(b, t, 4096, device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, drafter.config.vocab_size, (b, t), device=device)
+    mask = torch.ones(b, t, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        p, in_vocab = head.distribution(last, drafter.target_ids(), drafter.t2d)
+    out = {}
+    for mode in ("dense", "flex"):
+        drafter_module.TTT_ATTENTION = mode
+        drafter.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            r = ttt_forward(drafter, embed, aux, ids, mask, p, in_vocab, ttt, weights)
+        r.loss.backward()
+        out[mode] = (r.loss.item(), drafter.fc.weight.grad.float().clone())
+    drafter.zero_grad(set_to_none=True)
+    (ld, gd), (lf, gf) = out["dense"], out["flex"]
+    rel = float((gd - gf).norm() / gd.norm())
+    return f"flex vs dense: loss {lf:.5f} vs {ld:.5f}, fc grad relative difference {rel:.2e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--attention", default="dense,flex", help="TTT attention paths to run")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    target = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=32,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
+    cfg = drafter_config(target, 32000, [1, 15, 28], False)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg).to(device)
+    drafter.set_draft_vocab(torch.randperm(cfg.vocab_size, device=device)[:32000].sort().values)
+    embed = torch.nn.Embedding(cfg.vocab_size, 4096).to(device, torch.bfloat16)
+    embed.requires_grad_(False)
+    head = TargetHead(
+        torch.ones(4096, device=device),
+        1e-5,
+        (torch.randn(cfg.vocab_size, 4096, device=device) * 0.02).to(torch.bfloat16),
+    )
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
+    weights = step_weights(args.ttt, 0.8)
+    per_token = flops_per_token(cfg, args.seq, args.ttt)
+    rows, headline = [], None
+    check = agreement(drafter, embed, head, weights, args.ttt)
+    for mode, b in (
+        (m, int(x)) for m in args.attention.split(",") for x in args.batches.split(",")
+    ):
+        drafter_module.TTT_ATTENTION = mode
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            aux = torch.randn(b, args.seq, 3 * 4096, device=device, dtype=torch.bfloat16)
+            last = torch.randn(b, args.seq, 4096, device=device, dtype=torch.bfloat16)
+            ids = torch.randint(0, cfg.vocab_size, (b, args.seq), device=device)
+            mask = torch.ones(b, args.seq, dtype=torch.bool, device=device)
+
+            def step(aux=aux, last=last, ids=ids, mask=mask) -> None:
+                with torch.no_grad():
+                    p, in_vocab = head.distribution(last, drafter.target_ids(), drafter.t2d)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    r = ttt_forward(drafter, embed, aux, ids, mask, p, in_vocab, args.ttt, weights)
+                optimizer.zero_grad(set_to_none=True)
+                r.loss.backward()
+                optimizer.step()
+
+            step()  # warm-up
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                step()
+            torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - start) / args.iters
+            tokens_s = b * args.seq / elapsed
+            mfu = tokens_s * per_token / PEAK_FLOPS
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(
+                (mode, b, f"{elapsed * 1e3:.0f}", f"{tokens_s:,.0f}", f"{mfu:.3f}", f"{peak:.1f}")
+            )
+            if b <= 8 and mode == args.attention.split(",")[-1]:
+                headline = mfu
+        except torch.OutOfMemoryError:
+            rows.append((mode, b, "-", "-", "-", "OOM"))
+        finally:
+            aux = last = ids = mask = None
+    table = Table(
+        title=f"drafter train step, 8B shape, seq {args.seq}, TTT {args.ttt}, "
+        f"{per_token / 1e9:.2f} GFLOP/token"
+    )
+    for col in ("attention", "batch", "ms/step", "tokens/s", "MFU", "peak GiB"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(width=120).print(table)
+    print(check)
+    print(f"mfu={headline if headline is not None else 0:.3f}")
+
+
+if __name__ == "__main__":
+    main()

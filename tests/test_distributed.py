@@ -1,0 +1,54 @@
+"""torchrun with 2 CPU processes (gloo) trains the same drafter as 1 process with the same
+global batch: each rank takes its share of every global batch, losses are normalised by the
+global mask sums, and DDP averages the gradients."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import cli_env, eagletrain
+from safetensors.torch import load_file
+
+
+def _metrics(run: Path) -> list[dict]:
+    lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_two_gloo_processes_equal_one_process(tiny_config: Path, tmp_path: Path):
+    single, double = tmp_path / "single", tmp_path / "double"
+    for stage in ("data", "extract"):
+        result = eagletrain(stage, tiny_config, "--run-dir", single)
+        assert result.returncode == 0, result.stderr
+    shutil.copytree(single, double)
+    overrides = ["--set", "train.epochs=2", "--set", "train.batch_size=4"]
+    assert eagletrain("train", tiny_config, "--run-dir", single, *overrides).returncode == 0
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun += ["--master_port", "29531", "-m", "eagletrain"]
+    result = subprocess.run(
+        [*torchrun, "train", str(tiny_config), "--run-dir", str(double), *overrides],
+        capture_output=True,
+        text=True,
+        env=cli_env(OMP_NUM_THREADS="1"),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    one, two = _metrics(single), _metrics(double)
+    assert len(one) == len(two) and len(one) > 4
+    for a, b in zip(one[:-1], two[:-1], strict=True):  # per-step records, then the eval
+        assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+        assert abs(a["acc_0"] - b["acc_0"]) <= 1e-6
+    assert two[-1]["eval"]["world_size"] == 2
+    w1 = load_file(single / "train" / "checkpoint" / "model.safetensors")
+    w2 = load_file(double / "train" / "checkpoint" / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], atol=1e-4, rtol=1e-3), name
+    assert json.loads(eagletrain("status", double, "--json").stdout)[2]["verdict"] == "done"
