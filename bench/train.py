@@ -8,8 +8,10 @@ attention pattern) on random features, with the frozen target head producing the
 distribution from a random last-layer state, bf16 autocast and fused AdamW, as train.py.
 FLOPs per token: 6 x (TTT x (q,k,v,o + MLP + lm_head MACs + seq x hidden) + fc MACs)
 + 2 x hidden x draft_vocab, over a 790 TFLOP/s bf16 ceiling (H200, measured).
-A batch that does not fit is reported as OOM. Prints a table, then `mfu=<x>` last (the
-largest batch that fit, up to 8).
+Each TTT step's head loss is fused (head_loss.py); `--recompute on` adds activation
+checkpointing of each step's decoder layer. A batch that does not fit is reported as OOM.
+Prints a table (and with `--profile` the top kernels of one configuration), then
+`mfu=<x>` last: the best flex MFU at batch 8 within the 25 GiB goal (0 if none).
 """
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ def agreement(drafter, embed, head, weights, ttt: int, b: int = 2, t: int = 384)
     return f"flex vs dense: loss {lf:.5f} vs {ld:.5f}, fc grad relative difference {rel:.2e}"
 
 
+def profile_step(step) -> str:
+    """The kernels that take the time in one training step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    try:
+        return averages.table(sort_by="self_device_time_total", row_limit=20)
+    except (AttributeError, KeyError, ValueError):
+        return averages.table(sort_by="self_cuda_time_total", row_limit=20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,2,4,8,16")
@@ -70,6 +86,12 @@ def main() -> None:
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--attention", default="dense,flex", help="TTT attention paths to run")
+    parser.add_argument(
+        "--recompute", default="off,on", help="activation checkpointing per TTT step: off,on"
+    )
+    parser.add_argument(
+        "--profile", default="", help="MODE:RECOMPUTE:BATCH to profile, e.g. flex:off:8"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     target = LlamaConfig(
@@ -98,9 +120,14 @@ def main() -> None:
     per_token = flops_per_token(cfg, args.seq, args.ttt)
     rows, headline = [], None
     check = agreement(drafter, embed, head, weights, args.ttt)
-    for mode, b in (
-        (m, int(x)) for m in args.attention.split(",") for x in args.batches.split(",")
-    ):
+    variants = [
+        (m, r, int(x))
+        for m in args.attention.split(",")
+        for r in args.recompute.split(",")
+        for x in args.batches.split(",")
+    ]
+    profile = None
+    for mode, recompute, b in variants:
         drafter_module.TTT_ATTENTION = mode
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -110,11 +137,22 @@ def main() -> None:
             ids = torch.randint(0, cfg.vocab_size, (b, args.seq), device=device)
             mask = torch.ones(b, args.seq, dtype=torch.bool, device=device)
 
-            def step(aux=aux, last=last, ids=ids, mask=mask) -> None:
+            def step(aux=aux, last=last, ids=ids, mask=mask, recompute=recompute) -> None:
                 with torch.no_grad():
                     p, in_vocab = head.distribution(last, drafter.target_ids(), drafter.t2d)
                 with torch.autocast("cuda", dtype=torch.bfloat16):
-                    r = ttt_forward(drafter, embed, aux, ids, mask, p, in_vocab, args.ttt, weights)
+                    r = ttt_forward(
+                        drafter,
+                        embed,
+                        aux,
+                        ids,
+                        mask,
+                        p,
+                        in_vocab,
+                        args.ttt,
+                        weights,
+                        recompute=recompute == "on",
+                    )
                 optimizer.zero_grad(set_to_none=True)
                 r.loss.backward()
                 optimizer.step()
@@ -130,24 +168,36 @@ def main() -> None:
             mfu = tokens_s * per_token / PEAK_FLOPS
             peak = torch.cuda.max_memory_allocated() / 2**30
             rows.append(
-                (mode, b, f"{elapsed * 1e3:.0f}", f"{tokens_s:,.0f}", f"{mfu:.3f}", f"{peak:.1f}")
+                (
+                    mode,
+                    recompute,
+                    b,
+                    f"{elapsed * 1e3:.0f}",
+                    f"{tokens_s:,.0f}",
+                    f"{mfu:.3f}",
+                    f"{peak:.1f}",
+                )
             )
-            if b <= 8 and mode == args.attention.split(",")[-1]:
-                headline = mfu
+            if b == 8 and mode == "flex" and peak < 25:
+                headline = max(headline or 0.0, mfu)
+            if args.profile == f"{mode}:{recompute}:{b}":
+                profile = profile_step(step)
         except torch.OutOfMemoryError:
-            rows.append((mode, b, "-", "-", "-", "OOM"))
+            rows.append((mode, recompute, b, "-", "-", "-", "OOM"))
         finally:
             aux = last = ids = mask = None
     table = Table(
         title=f"drafter train step, 8B shape, seq {args.seq}, TTT {args.ttt}, "
         f"{per_token / 1e9:.2f} GFLOP/token"
     )
-    for col in ("attention", "batch", "ms/step", "tokens/s", "MFU", "peak GiB"):
+    for col in ("attention", "recompute", "batch", "ms/step", "tokens/s", "MFU", "peak GiB"):
         table.add_column(col, justify="right")
     for row in rows:
         table.add_row(*map(str, row))
     Console(width=120).print(table)
     print(check)
+    if profile:
+        print(profile)
     print(f"mfu={headline if headline is not None else 0:.3f}")
 
 

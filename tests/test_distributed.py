@@ -41,11 +41,22 @@ def test_two_gloo_processes_equal_one_process(tiny_config: Path, tmp_path: Path)
 
     one, two = _metrics(single), _metrics(double)
     assert len(one) == len(two) and len(one) > 4
-    for a, b in zip(one[:-1], two[:-1], strict=True):  # per-step records, then the eval
-        assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
+    for a, b in zip(one, two, strict=True):  # per-step records and the held-out evaluations
+        assert a["step"] == b["step"]
+        if "eval" in a:
+            tau = a["eval"]["simulated_acceptance_length"]
+            assert abs(tau - b["eval"]["simulated_acceptance_length"]) <= 1e-4 * tau
+            assert b["eval"]["world_size"] == 2
+            continue
+        assert a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a, b)
         assert abs(a["acc_0"] - b["acc_0"]) <= 1e-6
-    assert two[-1]["eval"]["world_size"] == 2
+    assert sum("eval" in r for r in two) == 2  # one per epoch
+    summaries = [
+        json.loads((run / "train" / "checkpoint" / "train_summary.json").read_text())
+        for run in (single, double)
+    ]
+    assert summaries[0]["steps"] == summaries[1]["steps"]  # the same best checkpoint
     w1 = load_file(single / "train" / "checkpoint" / "model.safetensors")
     w2 = load_file(double / "train" / "checkpoint" / "model.safetensors")
     assert w1.keys() == w2.keys()

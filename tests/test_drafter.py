@@ -41,7 +41,8 @@ def test_ttt_steps_equal_cached_chain_decoding():
     positions = torch.arange(t)[None]
     hidden, past, ttt_hidden = drafter.fc(aux), [], []
     for k in range(steps):
-        hidden = drafter.step_ttt(hidden, embed(shift(tokens, 1 + k)), positions + k, past)
+        hidden, kv = drafter.step_ttt(hidden, embed(shift(tokens, 1 + k)), positions + k, past)
+        past.append(kv)
         ttt_hidden.append(hidden)
 
     for i in range(t - steps):

@@ -51,3 +51,41 @@ def test_kill_during_training_resumes_to_the_same_loss_curve(tiny_config: Path, 
     assert sorted(got) == sorted(expected)
     for step, loss in expected.items():
         assert abs(got[step] - loss) <= 1e-6 * max(1.0, abs(loss)), (step, got[step], loss)
+    evals = [_evaluations(run) for run in (straight, killed)]
+    assert [s for s, _ in evals[0]] == [s for s, _ in evals[1]]
+    for (_, want), (_, have) in zip(*evals, strict=True):
+        assert abs(want - have) <= 1e-6
+
+
+def _evaluations(run: Path) -> list[tuple[int, float]]:
+    lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
+    return [
+        (r["step"], r["eval"]["simulated_acceptance_length"])
+        for r in map(json.loads, lines)
+        if "eval" in r
+    ]
+
+
+def test_best_heldout_evaluation_selects_the_checkpoint(tiny_config: Path, tmp_path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    _prepare(tiny_config, run)
+    overrides = ["--set", "train.epochs=3", "--set", "train.eval_every=2"]
+    result = eagletrain("train", tiny_config, "--run-dir", run, *overrides)
+    assert result.returncode == 0, result.stderr
+    steps = sorted(_losses(run))
+    per_epoch = len(steps) // 3
+    evals = _evaluations(run)
+    expected = sorted({s for s in steps if s % 2 == 0} | {per_epoch * e for e in (1, 2, 3)})
+    assert [s for s, _ in evals] == expected
+    best_step, best_tau = max(evals, key=lambda e: (e[1], -e[0]))
+    summary = json.loads((run / "train" / "checkpoint" / "train_summary.json").read_text())
+    assert summary["steps"] == best_step
+    assert summary["simulated_acceptance_length"] == best_tau
+
+    board = EventAccumulator(str(run / "train" / "tensorboard"))
+    board.Reload()
+    tags = board.Tags()["scalars"]
+    assert {"train/loss", "train/acc_0", "heldout/simulated_acceptance_length"} <= set(tags)
+    assert [e.step for e in board.Scalars("train/loss")] == steps

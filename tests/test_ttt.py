@@ -10,6 +10,7 @@ import torch
 from test_drafter import tiny_drafter
 
 from eagletrain.drafter import DraftKVCache
+from eagletrain.head_loss import head_loss
 from eagletrain.ttt import TargetHead, step_weights, ttt_forward
 
 
@@ -87,3 +88,50 @@ def test_ttt_loss_and_metrics_equal_the_slow_reference():
         assert math.isclose(got.step_loss[k], step_loss[k], rel_tol=1e-6)
         assert math.isclose(got.step_acc[k], acc[k], abs_tol=1e-6)
         assert math.isclose(got.step_cond_acc[k], cond[k], abs_tol=1e-6)
+
+
+def test_fused_head_loss_gradients_equal_plain_autograd():
+    torch.manual_seed(6)
+    x = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.softmax(torch.randn(3, 7, 11, dtype=torch.float64), -1)
+    mask = torch.rand(3, 7) < 0.6
+    summed, pred = head_loss(x, w, target, mask, chunk_tokens=6)  # several chunks
+    (gx, gw) = torch.autograd.grad(2.5 * summed, (x, w))
+    logits = x @ w.T
+    plain = (-(target * torch.log_softmax(logits, -1)).sum(-1) * mask).sum()
+    (px, pw) = torch.autograd.grad(2.5 * plain, (x, w))
+    torch.testing.assert_close(summed, plain)
+    assert torch.equal(pred, logits.argmax(-1))
+    torch.testing.assert_close(gx, px)
+    torch.testing.assert_close(gw, pw)
+
+
+def test_activation_recompute_gives_the_same_gradients():
+    drafter, embed = tiny_drafter(seed=7)
+    torch.manual_seed(8)
+    b, t, steps = 2, 9, 3
+    aux = torch.randn(b, t, 3 * 32, dtype=torch.float64)
+    ids = torch.randint(0, 50, (b, t))
+    mask = torch.rand(b, t) < 0.8
+    p = torch.softmax(torch.randn(b, t, 20, dtype=torch.float64), -1)
+    in_vocab = torch.ones(b, t, dtype=torch.bool)
+    grads = []
+    for recompute in (False, True):
+        drafter.zero_grad(set_to_none=True)
+        r = ttt_forward(
+            drafter,
+            embed,
+            aux,
+            ids,
+            mask,
+            p,
+            in_vocab,
+            steps,
+            [1.0, 0.8, 0.64],
+            recompute=recompute,
+        )
+        r.loss.backward()
+        grads.append([q.grad.clone() for q in drafter.parameters()])
+    for plain, recomputed in zip(*grads, strict=True):
+        torch.testing.assert_close(plain, recomputed)

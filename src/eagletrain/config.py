@@ -100,6 +100,11 @@ class TrainConfig(Section):
     grad_clip: float = Field(0.5, gt=0.0)
     norm_before_residual: bool = False
     checkpoint_every: int = Field(200, ge=0)  # steps between exact-resume checkpoints
+    # recompute each TTT step's decoder layer in backward instead of keeping its activations
+    activation_checkpointing: bool = False
+    # held-out evaluation every N steps (0: at each epoch's end only); the best simulated
+    # acceptance length selects the checkpoint
+    eval_every: int = Field(0, ge=0)
     device: str = "auto"
 
 

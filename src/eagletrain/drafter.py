@@ -123,13 +123,14 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def forward_ttt(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: list[KV]
-    ) -> torch.Tensor:
-        """Training-time test attention. `past` holds the keys/values of earlier steps (step 0
-        first); this step's are appended. The query of step k at index i sees step 0's keys at
-        indices <= i (the target-feature prefix) and steps 1..k at index i only (its chain)."""
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, earlier: list[KV]
+    ) -> tuple[torch.Tensor, KV]:
+        """Training-time test attention: (output, this step's keys/values). `earlier` holds
+        the keys/values of earlier steps (step 0 first) and is not changed, so a step can be
+        recomputed (activation checkpointing). The query of step k at index i sees step 0's
+        keys at indices <= i (the target-feature prefix) and steps 1..k at index i only."""
         q, k, v = self._qkv(x, cos, sin)
-        past.append((k, v))
+        past = [*earlier, (k, v)]
         if use_flex(x):
             t = x.shape[1]
             keys = torch.cat([kj for kj, _ in past], dim=2)
@@ -143,7 +144,7 @@ class Eagle3Attention(nn.Module):
                 scale=1.0 / math.sqrt(self.head_dim),
                 enable_gqa=True,
             )
-            return self._out(out)
+            return self._out(out), (k, v)
         rep = self.num_heads // self.num_kv_heads
         k0, v0 = repeat_kv(past[0][0], rep), repeat_kv(past[0][1], rep)
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -158,17 +159,24 @@ class Eagle3Attention(nn.Module):
         out = probs[..., :t] @ v0
         for j, vj in enumerate(chain_v):
             out = out + probs[..., t + j : t + j + 1] * vj
-        return self._out(out)
+        return self._out(out), (k, v)
 
     def forward_cached(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DraftKVCache
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: DraftKVCache,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Decoding: new positions attend causally to the cache and to each other."""
+        """Decoding: new positions attend causally to the cache and to each other, or as
+        `mask` [new, cache + new] (bool, True = attend) says (tree drafting)."""
         q, k, v = self._qkv(x, cos, sin)
         k_all, v_all = cache.append(k, v)
         rep = self.num_heads // self.num_kv_heads
         t, total = x.shape[1], k_all.shape[2]
-        mask = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(total - t)
+        if mask is None:
+            mask = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(total - t)
         o = F.scaled_dot_product_attention(
             q, repeat_kv(k_all, rep), repeat_kv(v_all, rep), attn_mask=mask
         )
@@ -258,10 +266,22 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def step_ttt(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, past: list[KV]
-    ) -> torch.Tensor:
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        earlier: list[KV],
+    ) -> tuple[torch.Tensor, KV]:
+        """One TTT step: (hidden, this step's keys/values); `earlier` is left unchanged."""
         cos, sin = self.rope(hidden, positions)
-        return self.midlayer(hidden, embeds, lambda attn, x: attn.forward_ttt(x, cos, sin, past))
+        kv: list[KV] = []
+
+        def attend(attn: Eagle3Attention, x: torch.Tensor) -> torch.Tensor:
+            out, step_kv = attn.forward_ttt(x, cos, sin, earlier)
+            kv.append(step_kv)
+            return out
+
+        return self.midlayer(hidden, embeds, attend), kv[0]
 
     def step_cached(
         self,
@@ -269,8 +289,9 @@ class Eagle3Drafter(nn.Module):
         embeds: torch.Tensor,
         positions: torch.Tensor,
         cache: DraftKVCache,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cos, sin = self.rope(hidden, positions)
         return self.midlayer(
-            hidden, embeds, lambda attn, x: attn.forward_cached(x, cos, sin, cache)
+            hidden, embeds, lambda attn, x: attn.forward_cached(x, cos, sin, cache, mask)
         )

@@ -60,6 +60,40 @@ class TargetSession:
             logits = self.model(**kwargs).logits[0]
         return logits, torch.cat([captured[i][0] for i in self.aux_layer_ids], dim=-1)
 
+    def forward_tree(
+        self, tokens: list[int], positions: list[int], tree_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Score a token tree in one forward: `tree_mask` [n, n] (True = attend) says which
+        of the new tokens each one sees; every one sees the whole cache."""
+        past = self.cache.get_seq_length()
+        dtype = next(self.model.parameters()).dtype
+        allowed = torch.cat(
+            [torch.ones(len(tokens), past, dtype=torch.bool), tree_mask.cpu()], dim=1
+        ).to(self.device)
+        # an additive float mask: read the same way by the eager and the SDPA attention
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        kwargs = {
+            "input_ids": torch.tensor([tokens], device=self.device),
+            "position_ids": torch.tensor([positions], device=self.device),
+            "attention_mask": mask,
+            "use_cache": True,
+            self._cache_kw: self.cache,
+        }
+        if not self.aux_layer_ids:
+            return self.model(**kwargs).logits[0], None
+        with capture_layer_outputs(self.model, self.aux_layer_ids) as captured:
+            logits = self.model(**kwargs).logits[0]
+        return logits, torch.cat([captured[i][0] for i in self.aux_layer_ids], dim=-1)
+
+    def keep(self, length: int, rows: list[int]) -> None:
+        """Keep the first `length` cache entries and then those of the given rows of the
+        last forward (the accepted path of a tree), in that order."""
+        index = torch.cat([torch.arange(length), length + torch.tensor(rows)]).to(self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+
     def crop(self, length: int) -> None:
         # A negative count (tokens to remove) is what both transformers 4.x and 5.x accept.
         excess = self.cache.get_seq_length() - length

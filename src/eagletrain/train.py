@@ -1,8 +1,9 @@
 """Stage 3, train: the EAGLE-3 drafter on the extracted dataset, with training-time test.
 
 The loop is plain PyTorch: draft vocab, drafter, AdamW with warmup + cosine decay, TTT loss
-per batch, metrics per TTT step to train/metrics.jsonl, progress (steps) in the ledger, a
-held-out evaluation (simulated acceptance length) and a safetensors checkpoint at the end.
+per batch, metrics per TTT step to train/metrics.jsonl and TensorBoard, progress (steps) in
+the ledger, held-out evaluations (simulated acceptance length) at each epoch's end and every
+`train.eval_every` steps, the best of which is the safetensors checkpoint export reads.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -30,13 +30,8 @@ from eagletrain.parallel import Parallel, init_parallel
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
 from eagletrain.target import load_target, pick_device, resolve_target
-from eagletrain.train_state import (
-    Position,
-    load_train_state,
-    remove_older,
-    save_train_state,
-    truncate_metrics,
-)
+from eagletrain.train_log import TrainLog
+from eagletrain.train_state import Position, load_train_state, remove_older, save_train_state
 from eagletrain.ttt import TargetHead, TTTObjective, TTTResult, step_denominators, step_weights
 from eagletrain.worker import WorkerSession
 
@@ -228,7 +223,11 @@ def _train(
     drafter.set_draft_vocab(draft_ids)
     drafter.to(device)
     embed.to(device)
-    head = TargetHead(head.norm_weight.to(device), head.norm_eps, head.lm_head.to(device))
+    # the frozen target head in the dtype its matmul runs in (bf16 on CUDA, ttt.py)
+    head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    head = TargetHead(
+        head.norm_weight.to(device), head.norm_eps, head.lm_head.to(device, head_dtype)
+    )
 
     steps_per_epoch = steps_in_epoch(len(train_data), tc.batch_size, parallel.world)
     total_steps = steps_per_epoch * tc.epochs
@@ -240,20 +239,21 @@ def _train(
     )
     weights = step_weights(tc.ttt_steps, tc.step_weight_decay)
     train_dir = run.dir / "train"
-    metrics_path = run.path("train", "metrics.jsonl")
     if parallel.main:
         ledger.begin_stage(STAGE, "units", total_steps, "steps")
     parallel.barrier()
-    resume = (ledger.stage_row(STAGE) or {}).get("detail", {}).get("resume")
+    detail = (ledger.stage_row(STAGE) or {}).get("detail", {})
+    resume = detail.get("resume")
     position = Position(0, 0, 0)
     if resume and (train_dir / resume).is_dir():
         position = load_train_state(train_dir / resume, drafter, optimizer, scheduler)
+    # the best held-out simulated tau so far; its checkpoint is train/checkpoint
+    best = detail.get("best") if position.step else None
     if parallel.main:
-        truncate_metrics(metrics_path, position.step)
         ledger.set_units_done(STAGE, position.step)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     step = position.step
-    objective: torch.nn.Module = TTTObjective(drafter, embed)
+    objective: torch.nn.Module = TTTObjective(drafter, embed, tc.activation_checkpointing)
     if parallel.active:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -262,12 +262,37 @@ def _train(
     def done_steps(led) -> int:
         return (led.stage_row(STAGE) or {}).get("units_done", 0)
 
+    def evaluate_and_keep_best(epoch: int) -> dict[str, Any]:
+        """Held-out evaluation (rank 0); a better simulated tau becomes train/checkpoint."""
+        nonlocal best
+        figures = evaluate_heldout(
+            drafter,
+            embed,
+            head,
+            heldout or train_data,
+            tc.ttt_steps,
+            weights,
+            device,
+            tc.batch_size,
+        )
+        figures["heldout_split"] = "heldout" if len(heldout) else "train (no heldout)"
+        figures["world_size"] = parallel.world
+        log.evaluation(step, figures)
+        tau = figures["simulated_acceptance_length"]
+        if best is None or tau > best["simulated_acceptance_length"]:
+            best = {"step": step, "epoch": epoch, **figures}
+            best["checksum"] = save_checkpoint(
+                train_dir / CHECKPOINT, drafter, {"steps": step, **figures}
+            )
+            ledger.update_detail(STAGE, best=best)
+        return figures
+
     # only rank 0 reports: the ledger, metrics and the progress bar
+    log = TrainLog(train_dir, position.step, enabled=parallel.main)
     with (
         WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_steps)
         if parallel.main
         else contextlib.nullcontext() as worker,
-        metrics_path.open("a") if parallel.main else open(os.devnull, "w") as metrics,
         stage_progress(disable=not parallel.main) as bar,
     ):
         task = bar.add_task("train", total=total_steps, completed=step, unit="steps")
@@ -299,21 +324,27 @@ def _train(
                 k = tc.ttt_steps
                 if parallel.active:  # per-rank losses were scaled by the world size
                     shares[0] /= parallel.world
-                record = {
-                    "step": step,
-                    "epoch": epoch,
-                    "time": time.time() - start,
-                    "loss": shares[0],
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "tokens": int(shares[-1]),
-                    **{f"loss_{j}": v for j, v in enumerate(shares[1 : 1 + k])},
-                    **{f"acc_{j}": v for j, v in enumerate(shares[1 + k : 1 + 2 * k])},
-                    # conditional accuracy is rank 0's own share (not reduced)
-                    **{f"cond_acc_{j}": v for j, v in enumerate(r.step_cond_acc)},
-                }
+                log.step(
+                    {
+                        "step": step,
+                        "epoch": epoch,
+                        "time": time.time() - start,
+                        "loss": shares[0],
+                        "lr": scheduler.get_last_lr()[0],
+                        "grad_norm": float(grad_norm),
+                        "tokens": int(shares[-1]),
+                        **{f"loss_{j}": v for j, v in enumerate(shares[1 : 1 + k])},
+                        **{f"acc_{j}": v for j, v in enumerate(shares[1 + k : 1 + 2 * k])},
+                        # conditional accuracy is rank 0's own share (not reduced)
+                        **{f"cond_acc_{j}": v for j, v in enumerate(r.step_cond_acc)},
+                    }
+                )
+                epoch_end = b == steps_per_epoch - 1
+                if epoch_end or (tc.eval_every and step % tc.eval_every == 0):
+                    if parallel.main:
+                        evaluate_and_keep_best(epoch)
+                    parallel.barrier()
                 if parallel.main:
-                    metrics.write(json.dumps(record) + "\n")
                     ledger.set_units_done(STAGE, step)
                     worker.progressed()
                     if (
@@ -321,7 +352,7 @@ def _train(
                         and step % tc.checkpoint_every == 0
                         and step < total_steps
                     ):
-                        metrics.flush()
+                        log.flush()
                         name = save_train_state(
                             train_dir, Position(step, epoch, b + 1), drafter, optimizer, scheduler
                         )
@@ -329,25 +360,13 @@ def _train(
                         remove_older(train_dir, name)
                 bar.advance(task)
                 inject_delay("train")
+        log.close()
         if not parallel.main:
             return None
-        metrics.flush()
-        evaluation = evaluate_heldout(
-            drafter,
-            embed,
-            head,
-            heldout or train_data,
-            tc.ttt_steps,
-            weights,
-            device,
-            tc.batch_size,
-        )
-        evaluation["heldout_split"] = "heldout" if len(heldout) else "train (no heldout)"
-        evaluation["world_size"] = parallel.world
-        metrics.write(json.dumps({"step": step, "eval": evaluation}) + "\n")
-        checksum = save_checkpoint(
-            run.dir / "train" / CHECKPOINT, drafter, {"steps": step, **evaluation}
-        )
+        if best is None:  # resumed after the last step's evaluation (nothing left to run)
+            evaluate_and_keep_best(tc.epochs - 1)
+        checksum = best["checksum"]
+        evaluation = {k: v for k, v in best.items() if k != "checksum"}
         worker.sample_now()
     ledger.complete(
         STAGE,

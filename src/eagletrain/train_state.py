@@ -94,13 +94,14 @@ def remove_older(train_dir: Path, keep: str) -> None:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from (no duplicates)."""
+    """Drop metric lines (steps and evaluations) written after the checkpoint we resume
+    from, so none appears twice."""
     if not path.is_file():
         return
     kept = [
         line
         for line in path.read_text().splitlines()
-        if line and json.loads(line).get("step", 0) <= step and "eval" not in line
+        if line and json.loads(line).get("step", 0) <= step
     ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from eagletrain.drafter import KV, Eagle3Drafter
+from eagletrain.head_loss import head_loss
 
 
 @dataclass
@@ -30,14 +31,24 @@ class TargetHead:
         self, last: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(softmax over the draft vocab [B,T,Vd], target argmax in draft vocab [B,T]),
-        chunked over tokens so full-vocab logits never exist for the whole batch at once."""
+        chunked over tokens so full-vocab logits never exist for the whole batch at once.
+        On CUDA the lm_head matmul runs in bf16, as the target computes its own logits when
+        served (a float32 GEMM here took a third of an 8B-shaped training step); the norm
+        and the softmax are float32."""
         b, t, h = last.shape
         flat = last.reshape(-1, h)
+        matmul_dtype = (
+            torch.bfloat16
+            if last.is_cuda
+            else torch.promote_types(self.lm_head.dtype, torch.float32)
+        )
+        weight = self.lm_head.to(matmul_dtype)
         probs, in_vocab = [], []
         for s in range(0, flat.shape[0], chunk):
             x = flat[s : s + chunk].float()
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-            logits = (x * self.norm_weight.float()) @ self.lm_head.float().T
+            x = (x * self.norm_weight.float()).to(matmul_dtype)
+            logits = (x @ weight.T).float()
             in_vocab.append(t2d[logits.argmax(-1)])
             probs.append(torch.softmax(logits[:, draft_ids], dim=-1))
         return (torch.cat(probs).view(b, t, -1), torch.cat(in_vocab).view(b, t))
@@ -73,9 +84,12 @@ def ttt_forward(
     steps: int,
     step_weights: list[float],
     denominators: torch.Tensor | None = None,  # [steps]: mask sums over the global batch
+    recompute: bool = False,
 ) -> TTTResult:
     """With `denominators` (data parallelism), step k's loss is this rank's share of the
-    global batch's: summed over ranks it equals the single-process loss."""
+    global batch's: summed over ranks it equals the single-process loss. With `recompute`,
+    each step's decoder layer is recomputed in backward (activation checkpointing) instead
+    of keeping its activations. The head's loss is fused (head_loss.py) either way."""
     b, t = input_ids.shape
     positions = torch.arange(t, device=aux.device).expand(b, t)
     hidden = drafter.fc(aux)
@@ -84,27 +98,60 @@ def ttt_forward(
     chain = torch.ones(b, t, dtype=torch.bool, device=aux.device)
     accepted = torch.zeros(b, t, dtype=torch.long, device=aux.device)
     counted = shift(loss_mask, 2) & shift(target_in_vocab, 1)
+    target_argmax = target_p.argmax(-1)
     out = TTTResult(loss, [], [], [], [], accepted, counted)
+    figures: list[torch.Tensor] = []
+
+    def decoder_step(hidden: torch.Tensor, tokens: torch.Tensor, k: int, *flat: torch.Tensor):
+        earlier = list(zip(flat[0::2], flat[1::2], strict=True))
+        return drafter.step_ttt(hidden, embed(tokens), positions + k, earlier)
+
     for k in range(steps):
         tokens = shift(input_ids, 1 + k)
-        hidden = drafter.step_ttt(hidden, embed(tokens), positions + k, past)
-        logits = drafter.logits(hidden).float()
-        target = shift(target_p, 1 + k)
+        flat = [x for kv in past for x in kv]
+        if recompute and torch.is_grad_enabled():
+            hidden, kv = checkpoint(decoder_step, hidden, tokens, k, *flat, use_reentrant=False)
+        else:
+            hidden, kv = decoder_step(hidden, tokens, k, *flat)
+        past.append(kv)
+        # index i predicts the target's distribution at i + 1 + k: rows past t - 1 - k have
+        # none, so the head runs on the first n rows against a view of target_p
+        n = t - 1 - k
         mask = shift(loss_mask, 2 + k) & shift(target_in_vocab, 1 + k)
         denom = (mask.sum() if denominators is None else denominators[k]).clamp(min=1)
-        step_loss = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
-        step_loss = (step_loss * mask).sum() / denom
+        correct = torch.zeros_like(mask)
+        step_loss = loss.new_zeros(())
+        if n > 0:
+            summed, pred = head_loss(
+                drafter.norm(hidden[:, :n]),
+                drafter.lm_head.weight,
+                target_p[:, 1 + k :],
+                mask[:, :n],
+            )
+            step_loss = summed / denom
+            correct[:, :n] = (pred == target_argmax[:, 1 + k :]) & mask[:, :n]
         loss = loss + step_weights[k] * step_loss
         with torch.no_grad():
-            correct = (logits.argmax(-1) == target.argmax(-1)) & mask
             prior = chain & mask
-            out.step_loss.append(step_loss.item())
-            out.step_acc.append(float(correct.sum() / denom))
-            out.step_cond_acc.append(float((correct & chain).sum() / prior.sum().clamp(min=1)))
-            out.step_count.append(int(mask.sum()))
+            figures.append(
+                torch.stack(
+                    [
+                        step_loss.detach().double(),
+                        correct.sum() / denom,
+                        (correct & chain).sum() / prior.sum().clamp(min=1),
+                        mask.sum(),
+                    ]
+                ).double()
+            )
             chain = chain & correct
             accepted += chain.long()
     out.loss = loss
+    # one device-to-host transfer for all steps' figures, not one sync per figure
+    for step_loss_k, acc, cond_acc, count in torch.stack(figures).tolist():
+        out.step_loss.append(step_loss_k)
+        out.step_acc.append(acc)
+        out.step_cond_acc.append(cond_acc)
+        out.step_count.append(int(count))
     return out
 
 
@@ -121,12 +168,13 @@ class TTTObjective(torch.nn.Module):
     """The drafter with its frozen embedding, as one module whose forward is the TTT unroll,
     so that DDP can wrap it; the drafter itself knows nothing of the parallelism."""
 
-    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Embedding):
+    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Embedding, recompute: bool = False):
         super().__init__()
         self.drafter, self.embed = drafter, embed.requires_grad_(False)
+        self.recompute = recompute
 
     def forward(self, *args: object, **kwargs: object) -> TTTResult:
-        return ttt_forward(self.drafter, self.embed, *args, **kwargs)
+        return ttt_forward(self.drafter, self.embed, *args, recompute=self.recompute, **kwargs)
 
 
 def step_weights(steps: int, decay: float) -> list[float]:
