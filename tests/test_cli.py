@@ -31,8 +31,25 @@ def test_run_finishes_every_stage_and_status_says_done(finished_run: Path):
     results = json.loads((finished_run / "eval" / "results.json").read_text())
     assert results["lossless"] is True
     assert 1.0 <= results["tau"] <= 1 + results["draft_steps"]
+    tree = results["tree"]
+    assert tree["cycles"] > 0 and 1.0 <= tree["tau"] <= 1 + tree["depth"]
     assert (finished_run / "export" / "sglang" / "config.json").is_file()
     assert "smollm2" not in (finished_run / "config.toml").read_text()  # resolved, our target
+
+
+def test_report_renders_its_plots_from_the_run(finished_run: Path):
+    import matplotlib.image
+
+    result = eagletrain("report", finished_run)
+    assert result.returncode == 0, result.stderr
+    text = (finished_run / "report" / "report.md").read_text()
+    for png in ("stages.png", "training.png", "tau.png", "acceptance.png"):
+        assert f"]({png})" in text
+        pixels = matplotlib.image.imread(finished_run / "report" / png)
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 400
+        assert pixels[..., :3].std() > 0.05  # not a blank canvas
+    results = json.loads((finished_run / "eval" / "results.json").read_text())
+    assert f"| {results['tau']:.3f} | {results['tree']['tau']:.3f} |" in text
 
 
 def test_rerun_of_a_finished_run_does_no_work(finished_run: Path):
@@ -110,11 +127,20 @@ def test_changing_a_started_stage_config_is_refused(tiny_config: Path, tmp_path:
     assert "data.max_length" in result.stderr
 
 
-def test_eval_at_temperature_one(tiny_config: Path, tmp_path: Path):
+def test_eval_at_temperature_one_on_heldout_conversations(tiny_config: Path, tmp_path: Path):
     run = tmp_path / "run"
-    result = eagletrain("run", tiny_config, "--run-dir", run, "--set", "eval.temperature=1.0")
+    overrides = ["--set", "eval.temperature=1.0", "--set", "eval.dataset=heldout"]
+    result = eagletrain("run", tiny_config, "--run-dir", run, *overrides)
     assert result.returncode == 0, result.stderr
     assert "sampling at T=1" in result.stdout
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["temperature"] == 1.0 and results["cycles"] > 0
+    assert results["tree"]["cycles"] > 0
+    heldout = {
+        row[0]
+        for row in sqlite3.connect(run / "ledger.sqlite").execute(
+            "SELECT key FROM items WHERE stage='extract' AND split='heldout'"
+        )
+    }
+    assert heldout and {p["id"] for p in results["per_prompt"]} <= heldout
     assert 1.0 <= results["tau"] <= 1 + results["draft_steps"]

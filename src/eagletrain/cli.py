@@ -244,5 +244,16 @@ def verify(
         raise VerifyError(f"verification failed for {len(failures)} stage(s)")
 
 
+@app.command()
+@_guarded
+def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")]) -> None:
+    """Write RUN_DIR/report/report.md with PNG plots: training curves, tau per dataset
+    against prompt lookup, per-position acceptance, stage timings."""
+    from eagletrain.report import write_report
+    from eagletrain.rundir import reopen_run
+
+    typer.echo(f"report: {write_report(reopen_run(run_dir))}")
+
+
 def main() -> None:  # pragma: no cover
     sys.exit(app())

@@ -82,7 +82,8 @@ class DataConfig(Section):
 class ExtractConfig(Section):
     # None = EAGLE-3 default: outputs of layers 1, L//2-1, L-4 (0-based).
     aux_layer_ids: list[int] | None = None
-    store_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # float8_e4m3fn: one float32 scale per token and captured layer (hidden_codec.py)
+    store_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] = "bfloat16"
     batch_tokens: int = Field(4096, ge=1)
     samples_per_shard: int = Field(64, ge=1)
     # refuse to start when the estimated shards do not fit the free disk
@@ -113,6 +114,8 @@ class ExportConfig(Section):
 
 
 class EvalConfig(Section):
+    # "mtbench", "humaneval" (packaged), "heldout" (the run's held-out conversations) or
+    # a JSONL path with `prompt` or `turns`
     dataset: str = "mtbench"
     num_prompts: int = Field(8, ge=1)
     max_new_tokens: int = Field(64, ge=1)
@@ -121,6 +124,11 @@ class EvalConfig(Section):
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
     device: str = "auto"
+    # EAGLE-2/3 dynamic tree, evaluated beside the chain
+    tree: bool = True
+    tree_total_tokens: int = Field(32, ge=1)
+    tree_depth: int = Field(6, ge=1)
+    tree_topk: int = Field(8, ge=1)
 
 
 class Config(Section):

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from eagletrain.drafter import Eagle3Drafter
 from eagletrain.embedded import embedded_file, is_embedded
 from eagletrain.errors import InputError, VerifyError
 from eagletrain.export import SGLANG_DIR, load_exported
+from eagletrain.hidden_dataset import HiddenSamples
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
 from eagletrain.speculative import (
@@ -31,6 +34,7 @@ from eagletrain.speculative import (
     speculative_sample,
 )
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
+from eagletrain.tree import TreeShape, speculative_tree
 from eagletrain.worker import WorkerSession
 
 STAGE = "eval"
@@ -60,6 +64,149 @@ def load_prompts(dataset: str, limit: int) -> list[tuple[str, str]]:
     return prompts
 
 
+def heldout_prompts(run: Run, limit: int) -> list[tuple[str, list[int]]]:
+    """(key, prompt ids) of held-out training conversations: each sample's tokens before
+    its first assistant (loss-masked) token, i.e. the history and the generation prompt."""
+    items = [i for i in run.ledger.items("extract", "done") if i.split == "heldout"]
+    if not items:
+        raise InputError(f"{run.dir}: eval.dataset = 'heldout' but the run has no held-out split")
+    data = HiddenSamples(run.dir / "hidden", items[:limit])
+    prompts = []
+    for i, item in enumerate(items[:limit]):
+        ids, mask = data.tensor(i, "input_ids"), data.tensor(i, "loss_mask").bool()
+        first = int(mask.nonzero()[0]) if mask.any() else len(ids)
+        if first > 0:
+            prompts.append((item.key, ids[:first].tolist()))
+    return prompts
+
+
+def chat_prompts(tokenizer: Any, dataset: str, limit: int) -> list[tuple[str, list[int]]]:
+    out = []
+    for pid, text in load_prompts(dataset, limit):
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        out.append((pid, tokenizer(chat, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+@dataclass
+class Decoding:
+    """What one evaluation compares, on the same target, cache and dtype."""
+
+    max_new_tokens: int
+    draft_steps: int
+    temperature: float
+    seed: int
+    tree: TreeShape | None
+
+
+def _summary(accepted: list[int], positions: int, plain_s: float, spec_s: float) -> dict:
+    return {
+        "cycles": len(accepted),
+        "tau": pooled_tau(accepted),
+        "per_position_acceptance": per_position_acceptance(accepted, positions),
+        "speculative_seconds": spec_s,
+        "speedup": plain_s / spec_s if spec_s else None,
+    }
+
+
+def evaluate_prompts(
+    model: torch.nn.Module,
+    drafter: Eagle3Drafter,
+    prompts: list[tuple[str, list[int]]],
+    settings: Decoding,
+    eos: set[int],
+    on_prompt: Any = None,
+) -> dict[str, Any]:
+    """Plain decoding, EAGLE chain, EAGLE dynamic tree and prompt lookup on every prompt;
+    greedy outputs must equal plain greedy decoding (up to numerical near-ties)."""
+    embed = model.get_input_embeddings()
+    eagle = EagleProposer(drafter, embed)
+    names = ["eagle", "prompt-lookup", *(["tree"] if settings.tree else [])]
+    accepted: dict[str, list[int]] = {n: [] for n in names}
+    seconds: dict[str, float] = {n: 0.0 for n in ["plain", *names]}
+    per_prompt, mismatches, ties = [], [], []
+    tolerance = TIE_TOLERANCE[model.dtype]
+    k, temp, max_new = settings.draft_steps, settings.temperature, settings.max_new_tokens
+    for i, (pid, prompt) in enumerate(prompts):
+        lookup_proposer = PromptLookupProposer(vocab_size=model.config.vocab_size)
+        decoded = {}
+        if temp > 0:
+            # sampling is lossless in distribution, not token by token: no equality check
+            # here (tests/test_speculative.py, test_tree.py check it statistically)
+            gen = torch.Generator().manual_seed(settings.seed * 100_003 + i)
+            plain = sample_decode(model, prompt, max_new, eos, temp, gen)
+            decoded["eagle"] = speculative_sample(model, eagle, prompt, max_new, k, eos, temp, gen)
+            decoded["prompt-lookup"] = speculative_sample(
+                model, lookup_proposer, prompt, max_new, k, eos, temp, gen
+            )
+        else:
+            plain = greedy_decode(model, prompt, max_new, eos)
+            decoded["eagle"] = speculative_greedy(model, eagle, prompt, max_new, k, eos)
+            decoded["prompt-lookup"] = speculative_greedy(
+                model, lookup_proposer, prompt, max_new, k, eos
+            )
+        if settings.tree:
+            gen = torch.Generator().manual_seed(settings.seed * 100_003 + i + 7)
+            decoded["tree"] = speculative_tree(
+                model, eagle, prompt, max_new, settings.tree, eos, temp, gen
+            )
+        for name, result in decoded.items() if temp == 0 else ():
+            at = first_divergence(plain, result)
+            if at is None:
+                continue
+            margin = plain.margins[at] if at < len(plain.margins) else float("inf")
+            entry = {"prompt": pid, "proposer": name, "position": at, "plain_margin": margin}
+            (ties if margin <= tolerance else mismatches).append(entry)
+        seconds["plain"] += plain.seconds
+        for name, result in decoded.items():
+            accepted[name] += result.accepted_per_cycle
+            seconds[name] += result.seconds
+        per_prompt.append(
+            {
+                "id": pid,
+                "tokens": len(decoded["eagle"].tokens),
+                "plain_tokens": len(plain.tokens),
+                "tau": pooled_tau(decoded["eagle"].accepted_per_cycle),
+                "plain_s": plain.seconds,
+                "spec_s": decoded["eagle"].seconds,
+                **(
+                    {"tree_tau": pooled_tau(decoded["tree"].accepted_per_cycle)}
+                    if settings.tree
+                    else {}
+                ),
+            }
+        )
+        if on_prompt:
+            on_prompt(i + 1)
+    if mismatches:
+        raise VerifyError(
+            f"eval: speculative output differs from plain greedy away from any numerical tie "
+            f"(not lossless): {mismatches}"
+        )
+    chain = _summary(accepted["eagle"], k, seconds["plain"], seconds["eagle"])
+    results = {
+        "prompts": len(prompts),
+        "draft_steps": k,
+        "temperature": temp,
+        **chain,
+        "prompt_lookup_tau": pooled_tau(accepted["prompt-lookup"]),
+        "plain_seconds": seconds["plain"],
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "lossless": True if temp == 0 else "by construction (rejection sampling)",
+        "tie_tolerance": tolerance,
+        "tie_divergences": ties,
+        "per_prompt": per_prompt,
+    }
+    if settings.tree:
+        results["tree"] = {
+            **_summary(accepted["tree"], settings.tree.depth, seconds["plain"], seconds["tree"]),
+            **asdict(settings.tree),
+        }
+    return results
+
+
 def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
     ledger, cfg = run.ledger, run.config
     done = ledger.completion(STAGE)
@@ -72,24 +219,19 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
     tokenizer = load_tokenizer(source)
     model = load_target(source, cfg.target.dtype, device)
     drafter = load_exported(run.dir / "export" / SGLANG_DIR).to(device, model.dtype).eval()
-    embed = model.get_input_embeddings()
-    eos = (
-        {int(model.config.eos_token_id)}
-        if isinstance(model.config.eos_token_id, int)
-        else set(model.config.eos_token_id or [])
+    eos = target_eos(model, tokenizer)
+    if ec.dataset == "heldout":
+        prompts = heldout_prompts(run, ec.num_prompts)
+    else:
+        prompts = chat_prompts(tokenizer, ec.dataset, ec.num_prompts)
+    settings = Decoding(
+        ec.max_new_tokens,
+        ec.draft_steps,
+        ec.temperature,
+        ec.seed,
+        TreeShape(ec.tree_total_tokens, ec.tree_depth, ec.tree_topk) if ec.tree else None,
     )
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    prompts = load_prompts(ec.dataset, ec.num_prompts)
     ledger.begin_stage(STAGE, "units", len(prompts), "prompts")
-    eagle = EagleProposer(drafter, embed)
-    accepted: list[int] = []
-    lookup_accepted: list[int] = []
-    plain_s = spec_s = 0.0
-    per_prompt = []
-    mismatches: list[dict[str, Any]] = []  # divergence from plain greedy: a bug
-    ties: list[dict[str, Any]] = []  # divergence at a numerical near-tie of the target
-    tolerance = TIE_TOLERANCE[model.dtype]
 
     def done_prompts(led) -> int:
         return (led.stage_row(STAGE) or {}).get("units_done", 0)
@@ -99,88 +241,34 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
         stage_progress() as bar,
     ):
         task = bar.add_task("eval", total=len(prompts), unit="prompts")
-        for i, (pid, text) in enumerate(prompts):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-            prompt = tokenizer(ids, add_special_tokens=False)["input_ids"]
-            lookup_proposer = PromptLookupProposer(vocab_size=model.config.vocab_size)
-            if ec.temperature > 0:
-                # sampling is lossless in distribution, not token by token: no equality check
-                # here (tests/test_speculative.py checks the distribution statistically)
-                gen = torch.Generator().manual_seed(ec.seed * 100_003 + i)
-                args = (prompt, ec.max_new_tokens)
-                plain = sample_decode(model, *args, eos, ec.temperature, gen)
-                spec = speculative_sample(
-                    model, eagle, *args, ec.draft_steps, eos, ec.temperature, gen
-                )
-                lookup = speculative_sample(
-                    model, lookup_proposer, *args, ec.draft_steps, eos, ec.temperature, gen
-                )
-            else:
-                plain = greedy_decode(model, prompt, ec.max_new_tokens, eos)
-                spec = speculative_greedy(
-                    model, eagle, prompt, ec.max_new_tokens, ec.draft_steps, eos
-                )
-                lookup = speculative_greedy(
-                    model, lookup_proposer, prompt, ec.max_new_tokens, ec.draft_steps, eos
-                )
-            # greedy must reproduce plain greedy decoding token for token
-            checks = [] if ec.temperature > 0 else [("eagle", spec), ("prompt-lookup", lookup)]
-            for name, decoded in checks:
-                at = first_divergence(plain, decoded)
-                if at is None:
-                    continue
-                margin = plain.margins[at] if at < len(plain.margins) else float("inf")
-                entry = {"prompt": pid, "proposer": name, "position": at, "plain_margin": margin}
-                (ties if margin <= tolerance else mismatches).append(entry)
-            lookup_accepted += lookup.accepted_per_cycle
-            accepted += spec.accepted_per_cycle
-            plain_s += plain.seconds
-            spec_s += spec.seconds
-            per_prompt.append(
-                {
-                    "id": pid,
-                    "tokens": len(spec.tokens),
-                    "tau": pooled_tau(spec.accepted_per_cycle),
-                    "plain_s": plain.seconds,
-                    "spec_s": spec.seconds,
-                }
-            )
-            ledger.set_units_done(STAGE, i + 1)
+
+        def on_prompt(n: int) -> None:
+            ledger.set_units_done(STAGE, n)
             worker.progressed()
-            bar.advance(task)
-    if mismatches:
-        raise VerifyError(
-            f"eval: speculative output differs from plain greedy away from any numerical tie "
-            f"(not lossless): {mismatches}"
-        )
-    results = {
-        "dataset": ec.dataset,
-        "prompts": len(prompts),
-        "draft_steps": ec.draft_steps,
-        "temperature": ec.temperature,
-        "cycles": len(accepted),
-        "tau": pooled_tau(accepted),
-        "per_position_acceptance": per_position_acceptance(accepted, ec.draft_steps),
-        "prompt_lookup_tau": pooled_tau(lookup_accepted),
-        "plain_seconds": plain_s,
-        "speculative_seconds": spec_s,
-        "speedup": plain_s / spec_s if spec_s else None,
-        "device": str(device),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "lossless": True if ec.temperature == 0 else "by construction (rejection sampling)",
-        "tie_tolerance": tolerance,
-        "tie_divergences": ties,
-        "per_prompt": per_prompt,
-    }
+            bar.update(task, completed=n)
+
+        results = evaluate_prompts(model, drafter, prompts, settings, eos, on_prompt)
+    results = {"dataset": ec.dataset, "device": str(device), **results}
     out = run.path("eval", "results.json")
     out.write_text(json.dumps(results, indent=2))
     summary = {k: v for k, v in results.items() if k != "per_prompt"}
     ledger.complete(
-        STAGE, len(prompts), sum(p["tokens"] for p in per_prompt), "", allow_partial, summary
+        STAGE,
+        len(prompts),
+        sum(p["tokens"] for p in results["per_prompt"]),
+        "",
+        allow_partial,
+        summary,
     )
     return summary
+
+
+def target_eos(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    eos_id = model.config.eos_token_id
+    eos = {int(eos_id)} if isinstance(eos_id, int) else set(eos_id or [])
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return eos
 
 
 def describe(results: dict[str, Any]) -> str:
@@ -191,9 +279,16 @@ def describe(results: dict[str, Any]) -> str:
         if results["temperature"] == 0
         else f"sampling at T={results['temperature']:g} (lossless by construction)"
     )
+    tree = results.get("tree")
+    tree_text = (
+        f"; dynamic tree ({tree['total_tokens']} tokens, depth {tree['depth']}, "
+        f"top-{tree['topk']}) tau {tree['tau']:.3f}, speedup {tree['speedup']:.2f}x"
+        if tree
+        else ""
+    )
     return (
         f"eval: {results['prompts']} {results['dataset']} prompts, chain "
         f"{results['draft_steps']}, {mode}; per-position acceptance [{ppa}]; prompt-lookup "
         f"tau {results['prompt_lookup_tau']:.3f}; speedup {results['speedup']:.2f}x on "
-        f"{results['device']}"
+        f"{results['device']}{tree_text}"
     )

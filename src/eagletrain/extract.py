@@ -19,6 +19,7 @@ import torch
 
 from eagletrain.errors import ConfigError, DiskSpaceError, InputError
 from eagletrain.faults import inject_delay
+from eagletrain.hidden_codec import FP8, encode_fp8
 from eagletrain.ledger import ItemRow
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
@@ -139,13 +140,16 @@ def forward_captured(
         bad_rows = torch.zeros(len(inputs), dtype=torch.int32, device=device)
         finite = bad_rows.index_add_(0, sample_of_row, (~row_ok).int()) == 0
         on_gpu = device.type == "cuda"
-        host = [
-            torch.empty(t.shape, dtype=store_dtype if t.dim() == 2 else t.dtype, pin_memory=on_gpu)
-            for t in (aux, last, finite)
-        ]
-        host[0].copy_(aux.to(store_dtype), non_blocking=on_gpu)
-        host[1].copy_(last.to(store_dtype), non_blocking=on_gpu)
-        host[2].copy_(finite, non_blocking=on_gpu)
+        scales: dict[str, torch.Tensor] = {}
+        if store_dtype == FP8:  # quantised on the device: half the bytes cross the bus
+            aux, scales["aux"] = encode_fp8(aux, len(aux_ids))
+            last, scales["last"] = encode_fp8(last, 1)
+        else:
+            aux, last = aux.to(store_dtype), last.to(store_dtype)
+        on_device = [aux, last, finite, *scales.values()]
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in on_device]
+        for h, t in zip(host, on_device, strict=True):
+            h.copy_(t, non_blocking=on_gpu)
         ready = None
         if on_gpu:
             ready = torch.cuda.Event()
@@ -159,6 +163,7 @@ def forward_captured(
         [x for x, _ in inputs],
         [m for _, m in inputs],
         ready,
+        dict(zip(scales, host[3:], strict=True)),
     )
 
 
@@ -214,6 +219,8 @@ def check_space(run: Run, model: torch.nn.Module, store_dtype: torch.dtype, toke
     """Print the size estimate, and refuse to start when it cannot fit the free disk."""
     hidden = model.config.hidden_size
     per_token = 4 * hidden * torch.finfo(store_dtype).bits // 8 + 5  # aux+last, ids, mask
+    if store_dtype == FP8:
+        per_token += 4 * 4  # a float32 scale per captured layer
     needed = per_token * tokens
     free = shutil.disk_usage(run.dir / "hidden").free
     print(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from eagletrain.hidden_codec import FP8, SCALE_SUFFIX, decode_fp8
 from eagletrain.ledger import ItemRow
 from eagletrain.shards import ShardReader, shard_path
 
@@ -44,8 +45,14 @@ class HiddenSamples:
         return self._readers[shard]
 
     def tensor(self, i: int, name: str) -> torch.Tensor:
+        """A sample's rows of one tensor; float8-stored states come back decoded (float32)."""
         item = self.items[i]
-        return self._reader(item.shard).rows(name, item.offset, item.tokens)
+        reader = self._reader(item.shard)
+        rows = reader.rows(name, item.offset, item.tokens)
+        if rows.dtype == FP8:
+            scale = reader.rows(f"{name}{SCALE_SUFFIX}", item.offset, item.tokens)
+            return decode_fp8(rows, scale)
+        return rows
 
     def batch(self, indices: list[int]) -> Batch:
         rows = [

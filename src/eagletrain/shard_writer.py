@@ -13,14 +13,20 @@ import queue
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagletrain.ledger import ItemRow, Ledger
-from eagletrain.shards import IndexEntry, sample_checksum, shard_path, write_shard
+from eagletrain.shards import (
+    IndexEntry,
+    sample_checksum,
+    sample_tensor_names,
+    shard_path,
+    write_shard,
+)
 
 
 @dataclass
@@ -33,6 +39,8 @@ class CapturedBatch:
     input_ids: list[torch.Tensor]
     loss_mask: list[torch.Tensor]
     ready: torch.cuda.Event | None  # set when the device-to-host copy has landed
+    # float8 storage: per-token scales of "aux" and "last" ([N, layers] float32)
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ShardWriter:
@@ -55,6 +63,7 @@ class ShardWriter:
         self._queue: queue.Queue[CapturedBatch | None] = queue.Queue(maxsize=depth)
         self._pool = ThreadPoolExecutor(max_workers=hash_threads)
         self._buffer: list[tuple[ItemRow, list[torch.Tensor]]] = []
+        self._names = sample_tensor_names([])
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
@@ -112,7 +121,9 @@ class ShardWriter:
                     batch.last[offset : offset + n],
                     batch.input_ids[j],
                     batch.loss_mask[j],
+                    *(s[offset : offset + n] for s in batch.scales.values()),
                 ]
+                self._names = sample_tensor_names(batch.scales)
                 self._buffer.append((item, rows))
             offset += n
         if failed:
@@ -142,7 +153,7 @@ class ShardWriter:
             offset += n
         stacked = {
             name_: torch.cat([rows[j] for _, rows in self._buffer])
-            for j, name_ in enumerate(("aux", "last", "input_ids", "loss_mask"))
+            for j, name_ in enumerate(self._names)
         }
         ledger.begin_shard(self.stage, name, self.partition)
         size = write_shard(shard_path(self.dir, name), stacked, index, self.meta)

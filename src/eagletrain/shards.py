@@ -42,6 +42,15 @@ class IndexEntry:
     checksum: str
 
 
+SAMPLE_TENSORS = ("aux", "last", "input_ids", "loss_mask")
+
+
+def sample_tensor_names(scales: dict[str, object] | list[str]) -> tuple[str, ...]:
+    """The tensors whose rows make up an extracted sample, in checksum order: the four,
+    then the float8 scales of those stored in float8 ("aux_scale", "last_scale")."""
+    return (*SAMPLE_TENSORS, *(f"{name}_scale" for name in scales))
+
+
 def sample_checksum(tensors: list[torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for t in tensors:

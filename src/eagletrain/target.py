@@ -31,6 +31,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # extract.store_dtype only
 }
 
 

@@ -93,8 +93,12 @@ def _check_shard(
         ):
             bad.append((item.key, f"{path.name} index disagrees with the ledger"))
         elif deep:
+            # float8 shards also hold per-token scales, part of each sample's checksum
+            present = set(reader.keys())
+            scaled = [n for n in ("aux", "last") if f"{n}_scale" in present]
+            all_names = (*names, *(f"{n}_scale" for n in scaled))
             try:
-                rows = [reader.rows(n, entry.offset, entry.tokens) for n in names]
+                rows = [reader.rows(n, entry.offset, entry.tokens) for n in all_names]
             except Exception as err:
                 bad.append((item.key, f"rows unreadable: {type(err).__name__}"))
                 continue

@@ -1,0 +1,109 @@
+"""Acceptance length and wall-clock speedup of a trained run's exported drafter: EAGLE chain,
+EAGLE dynamic tree and prompt lookup against plain decoding on the same target, cache and
+dtype, per dataset and temperature.
+
+    .venv/bin/python bench/decode.py RUN_DIR [--datasets mtbench,humaneval,heldout]
+        [--prompts 16] [--max-new 128] [--temperatures 0,1] [--chain 3] [--tree 32,6,8]
+        [--model PATH] [--dtype float32] [--device auto]
+
+RUN_DIR is a finished run (its export directory is what is loaded, as `eagletrain eval`
+does); each result is also saved as RUN_DIR/eval/bench-<dataset>-T<t>.json for
+`eagletrain report`. Prints a table, then `speedup=<x> tau=<y>` last: the dynamic
+tree's, greedy, on the first dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from eagletrain.evaluate import (
+    Decoding,
+    chat_prompts,
+    evaluate_prompts,
+    heldout_prompts,
+    target_eos,
+)
+from eagletrain.export import SGLANG_DIR, load_exported
+from eagletrain.rundir import reopen_run
+from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
+from eagletrain.tree import TreeShape
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--datasets", default="mtbench")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--chain", type=int, default=3)
+    parser.add_argument("--tree", default="32,6,8", help="total tokens, depth, top-k")
+    parser.add_argument("--model", default=None, help="target path (default: the run's)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+
+    run = reopen_run(args.run_dir)
+    target_cfg = run.config.target
+    if args.model:
+        target_cfg = target_cfg.model_copy(update={"model": args.model})
+    source = resolve_target(target_cfg)
+    device = pick_device(args.device)
+    model = load_target(source, args.dtype or target_cfg.dtype, device)
+    tokenizer = load_tokenizer(source)
+    drafter = load_exported(run.dir / "export" / SGLANG_DIR).to(device, model.dtype).eval()
+    eos = target_eos(model, tokenizer)
+    total, depth, topk = (int(x) for x in args.tree.split(","))
+    shape = TreeShape(total, depth, topk)
+
+    table = Table(
+        title=f"speculative decoding, run {run.config.run.name}, "
+        f"{str(model.dtype).removeprefix('torch.')} on {device}, "
+        f"chain {args.chain}, tree {total} tokens / depth {depth} / top-{topk}, "
+        f"{args.max_new} new tokens"
+    )
+    for col in (
+        "dataset", "T", "prompts", "chain tau", "chain speedup", "tree tau",
+        "tree speedup", "lookup tau", "plain tok/s",
+    ):  # fmt: skip
+        table.add_column(col, justify="right")
+    headline = None
+    for dataset in args.datasets.split(","):
+        if dataset == "heldout":
+            prompts = heldout_prompts(run, args.prompts)
+        else:
+            prompts = chat_prompts(tokenizer, dataset, args.prompts)
+        for temperature in (float(t) for t in args.temperatures.split(",")):
+            settings = Decoding(args.max_new, args.chain, temperature, 0, shape)
+            r = evaluate_prompts(model, drafter, prompts, settings, eos)
+            tokens = sum(p["plain_tokens"] for p in r["per_prompt"])
+            name = Path(dataset).name.split(".")[0]
+            r = {"dataset": dataset, "device": str(device), **r}
+            saved = run.dir / "eval" / f"bench-{name}-T{temperature:g}.json"
+            saved.parent.mkdir(exist_ok=True)
+            saved.write_text(json.dumps(r, indent=2))  # `eagletrain report` shows these
+            table.add_row(
+                name,
+                f"{temperature:g}",
+                str(r["prompts"]),
+                f"{r['tau']:.3f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['tree']['tau']:.3f}",
+                f"{r['tree']['speedup']:.2f}x",
+                f"{r['prompt_lookup_tau']:.3f}",
+                f"{tokens / r['plain_seconds']:.1f}",
+            )
+            if headline is None and temperature == 0:
+                headline = r["tree"]
+    Console(width=160).print(table)
+    if headline:
+        print(f"speedup={headline['speedup']:.3f} tau={headline['tau']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
