@@ -7,7 +7,7 @@
 set -uo pipefail
 [ -f /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /tmp/m/gguf.part.aa .carry/b/gguf.part.ab > /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
-[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/b/*.whl || exit 1
+[ -d /tmp/site/pydantic ] || python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .carry/b/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src EAGLETRAIN_CACHE=/tmp/cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 # short sequences: the dense TTT attention (flex compiles a kernel per sequence length)
 export EAGLETRAIN_TTT_ATTENTION="${EAGLETRAIN_TTT_ATTENTION:-dense}"

@@ -1,18 +1,25 @@
 """torchrun with 2 CPU processes (gloo) trains the same drafter as 1 process with the same
-global batch: each rank takes its share of every global batch, losses are normalised by the
-global mask sums, and DDP averages the gradients."""
+global batch, under DDP and under FSDP (fully_shard): each rank takes its share of every
+global batch, losses are normalised by the global mask sums, gradients are averaged (DDP)
+or reduce-scattered (FSDP). FSDP's exact-resume checkpoints survive a kill -9."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-from conftest import cli_env, eagletrain
+from conftest import cli_env, eagletrain, status_json
 from safetensors.torch import load_file
+from test_kill_resume import _wait_for
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -20,16 +27,17 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def test_two_gloo_processes_equal_one_process(tiny_config: Path, tmp_path: Path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_gloo_processes_equal_one_process(tiny_config: Path, tmp_path: Path, parallelism):
     single, double = tmp_path / "single", tmp_path / "double"
     for stage in ("data", "extract"):
         result = eagletrain(stage, tiny_config, "--run-dir", single)
         assert result.returncode == 0, result.stderr
     shutil.copytree(single, double)
     overrides = ["--set", "train.epochs=2", "--set", "train.batch_size=4"]
+    overrides += ["--set", f"train.parallelism={parallelism}"]
     assert eagletrain("train", tiny_config, "--run-dir", single, *overrides).returncode == 0
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    torchrun += ["--master_port", "29531", "-m", "eagletrain"]
+    torchrun = [*TORCHRUN, "--master_port", "29531", "-m", "eagletrain"]
     result = subprocess.run(
         [*torchrun, "train", str(tiny_config), "--run-dir", str(double), *overrides],
         capture_output=True,
@@ -63,3 +71,39 @@ def test_two_gloo_processes_equal_one_process(tiny_config: Path, tmp_path: Path)
     for name in w1:
         assert torch.allclose(w1[name], w2[name], atol=1e-4, rtol=1e-3), name
     assert json.loads(eagletrain("status", double, "--json").stdout)[2]["verdict"] == "done"
+
+
+def test_fsdp_kill_and_resume_reaches_the_same_losses(tiny_config: Path, tmp_path: Path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for stage in ("data", "extract"):
+        assert eagletrain(stage, tiny_config, "--run-dir", straight).returncode == 0
+    shutil.copytree(straight, killed)
+    overrides = ["--set", "train.epochs=2", "--set", "train.batch_size=4"]
+    overrides += ["--set", "train.parallelism=fsdp", "--set", "train.checkpoint_every=2"]
+
+    def torchrun(run: Path, port: int) -> list[str]:
+        cli = ["-m", "eagletrain", "train", str(tiny_config), "--run-dir", str(run)]
+        return [*TORCHRUN, "--master_port", str(port), *cli, *overrides]
+
+    env = cli_env(OMP_NUM_THREADS="1")
+    done = subprocess.run(torchrun(straight, 29533), capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.Popen(
+        torchrun(killed, 29534),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=cli_env(OMP_NUM_THREADS="1", EAGLETRAIN_FAULT_DELAY="train:0.4"),
+        start_new_session=True,
+    )
+    try:
+        _wait_for(lambda: status_json(killed)["train"]["done"] >= 5, timeout=240)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+        proc.wait()
+    resumed = subprocess.run(torchrun(killed, 29535), capture_output=True, text=True, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = {r["step"]: r["loss"] for r in _metrics(straight) if "eval" not in r}
+    got = [r for r in _metrics(killed) if "eval" not in r]
+    assert [r["step"] for r in got] == sorted(want)  # every step once
+    for r in got:
+        assert abs(r["loss"] - want[r["step"]]) <= 1e-5 * max(1.0, abs(want[r["step"]]))

@@ -103,6 +103,9 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(200, ge=0)  # steps between exact-resume checkpoints
     # recompute each TTT step's decoder layer in backward instead of keeping its activations
     activation_checkpointing: bool = False
+    # under torchrun: "ddp" replicates the drafter; "fsdp" shards parameters, gradients and
+    # optimizer state (torch.distributed.fsdp.fully_shard)
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
     # held-out evaluation every N steps (0: at each epoch's end only); the best simulated
     # acceptance length selects the checkpoint
     eval_every: int = Field(0, ge=0)

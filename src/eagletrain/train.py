@@ -29,6 +29,13 @@ from eagletrain.hidden_dataset import Batch, HiddenSamples
 from eagletrain.parallel import Parallel, init_parallel
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
+from eagletrain.sharding import (
+    distribute,
+    full_model_state,
+    full_optimizer_state,
+    grad_norm_value,
+    is_sharded,
+)
 from eagletrain.target import load_target, pick_device, resolve_target
 from eagletrain.train_log import TrainLog
 from eagletrain.train_state import Position, load_train_state, remove_older, save_train_state
@@ -102,8 +109,8 @@ def batch_ttt(
 
 
 def evaluate_heldout(
+    objective: torch.nn.Module,
     drafter: Eagle3Drafter,
-    embed: torch.nn.Embedding,
     head: TargetHead,
     data: HiddenSamples,
     steps: int,
@@ -112,7 +119,6 @@ def evaluate_heldout(
     batch_size: int,
 ) -> dict[str, Any]:
     drafter.eval()
-    objective = TTTObjective(drafter, embed)
     totals: dict[str, Any] = {"loss": 0.0, "acc": [0.0] * steps, "cond_acc": [0.0] * steps}
     accepted_sum, counted_sum, batches = 0.0, 0, 0
     with torch.no_grad():
@@ -139,9 +145,11 @@ def evaluate_heldout(
     }
 
 
-def save_checkpoint(directory: Path, drafter: Eagle3Drafter, extra: dict[str, Any]) -> str:
+def save_checkpoint(
+    directory: Path, state: dict[str, torch.Tensor], drafter: Eagle3Drafter, extra: dict[str, Any]
+) -> str:
+    """`state`: the drafter's whole state dict (sharding.full_model_state)."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     tmp = directory / "model.safetensors.tmp"
     save_file(state, tmp)
     tmp.replace(directory / "model.safetensors")
@@ -231,6 +239,10 @@ def _train(
 
     steps_per_epoch = steps_in_epoch(len(train_data), tc.batch_size, parallel.world)
     total_steps = steps_per_epoch * tc.epochs
+    plain_objective = TTTObjective(drafter, embed, tc.activation_checkpointing)
+    objective = distribute(plain_objective, parallel, tc.parallelism)
+    # under FSDP gathering whole states and evaluating are collectives: every rank takes part
+    sharded = is_sharded(drafter)
     optimizer = torch.optim.AdamW(
         drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0
     )
@@ -253,21 +265,17 @@ def _train(
         ledger.set_units_done(STAGE, position.step)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     step = position.step
-    objective: torch.nn.Module = TTTObjective(drafter, embed, tc.activation_checkpointing)
-    if parallel.active:
-        from torch.nn.parallel import DistributedDataParallel
-
-        objective = DistributedDataParallel(objective)
 
     def done_steps(led) -> int:
         return (led.stage_row(STAGE) or {}).get("units_done", 0)
 
     def evaluate_and_keep_best(epoch: int) -> dict[str, Any]:
-        """Held-out evaluation (rank 0); a better simulated tau becomes train/checkpoint."""
+        """Held-out evaluation (rank 0, or every rank under FSDP); a better simulated tau
+        becomes train/checkpoint."""
         nonlocal best
         figures = evaluate_heldout(
+            objective if sharded else plain_objective,
             drafter,
-            embed,
             head,
             heldout or train_data,
             tc.ttt_steps,
@@ -281,10 +289,12 @@ def _train(
         tau = figures["simulated_acceptance_length"]
         if best is None or tau > best["simulated_acceptance_length"]:
             best = {"step": step, "epoch": epoch, **figures}
-            best["checksum"] = save_checkpoint(
-                train_dir / CHECKPOINT, drafter, {"steps": step, **figures}
-            )
-            ledger.update_detail(STAGE, best=best)
+            state = full_model_state(drafter)
+            if parallel.main:
+                best["checksum"] = save_checkpoint(
+                    train_dir / CHECKPOINT, state, drafter, {"steps": step, **figures}
+                )
+                ledger.update_detail(STAGE, best=best)
         return figures
 
     # only rank 0 reports: the ledger, metrics and the progress bar
@@ -310,7 +320,9 @@ def _train(
                     r = batch_ttt(objective, drafter, head, batch, tc.ttt_steps, weights, parallel)
                 optimizer.zero_grad(set_to_none=True)
                 r.loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+                grad_norm = grad_norm_value(
+                    torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+                )
                 optimizer.step()
                 scheduler.step()
                 step += 1
@@ -331,7 +343,7 @@ def _train(
                         "time": time.time() - start,
                         "loss": shares[0],
                         "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": float(grad_norm),
+                        "grad_norm": grad_norm,
                         "tokens": int(shares[-1]),
                         **{f"loss_{j}": v for j, v in enumerate(shares[1 : 1 + k])},
                         **{f"acc_{j}": v for j, v in enumerate(shares[1 + k : 1 + 2 * k])},
@@ -341,30 +353,29 @@ def _train(
                 )
                 epoch_end = b == steps_per_epoch - 1
                 if epoch_end or (tc.eval_every and step % tc.eval_every == 0):
-                    if parallel.main:
+                    if parallel.main or sharded:
                         evaluate_and_keep_best(epoch)
                     parallel.barrier()
-                if parallel.main:
-                    ledger.set_units_done(STAGE, step)
-                    worker.progressed()
-                    if (
-                        tc.checkpoint_every
-                        and step % tc.checkpoint_every == 0
-                        and step < total_steps
-                    ):
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
+                    if parallel.main or sharded:
+                        states = full_model_state(drafter), full_optimizer_state(drafter, optimizer)
+                    if parallel.main:
                         log.flush()
                         name = save_train_state(
-                            train_dir, Position(step, epoch, b + 1), drafter, optimizer, scheduler
+                            train_dir, Position(step, epoch, b + 1), *states, scheduler
                         )
                         ledger.update_detail(STAGE, resume=name)
                         remove_older(train_dir, name)
+                if parallel.main:
+                    ledger.set_units_done(STAGE, step)
+                    worker.progressed()
                 bar.advance(task)
                 inject_delay("train")
         log.close()
+        if best is None and (parallel.main or sharded):
+            evaluate_and_keep_best(tc.epochs - 1)  # resumed after the last evaluation
         if not parallel.main:
             return None
-        if best is None:  # resumed after the last step's evaluation (nothing left to run)
-            evaluate_and_keep_best(tc.epochs - 1)
         checksum = best["checksum"]
         evaluation = {k: v for k, v in best.items() if k != "checksum"}
         worker.sample_now()

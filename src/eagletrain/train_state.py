@@ -24,8 +24,8 @@ class Position:
     batch: int  # batches of `epoch` done
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], Any]:
-    state = optimizer.state_dict()
+def _optimizer_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
+    """Flatten an optimizer state dict (parameters keyed by index, or by name under FSDP)."""
     tensors = {
         f"state.{pid}.{name}": value.detach().cpu().contiguous()
         for pid, entries in state["state"].items()
@@ -41,19 +41,17 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
 def save_train_state(
     train_dir: Path,
     position: Position,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
     scheduler: Any,
 ) -> str:
+    """Write whole states (sharding.full_model_state / full_optimizer_state) atomically."""
     name = f"resume-{position.step:08d}"
     tmp = train_dir / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-        tmp / "model.safetensors",
-    )
-    opt_tensors, groups = _optimizer_tensors(optimizer)
+    save_file(model_state, tmp / "model.safetensors")
+    opt_tensors, groups = _optimizer_tensors(optimizer_state)
     opt_tensors["rng.torch"] = torch.get_rng_state()
     save_file(opt_tensors, tmp / "optimizer.safetensors")
     sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
@@ -72,16 +70,26 @@ def save_train_state(
 def load_train_state(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> Position:
+    """Restore model, optimizer, scheduler and RNG (through sharding.py under FSDP)."""
+    from eagletrain.sharding import load_full_model_state, load_full_optimizer_state
+
+    model_state = load_file(path / "model.safetensors")
     device = next(model.parameters()).device
-    model.load_state_dict(load_file(path / "model.safetensors", device=str(device)), strict=True)
-    tensors = load_file(path / "optimizer.safetensors", device=str(device))
+    tensors = load_file(path / "optimizer.safetensors")
     meta = json.loads((path / "state.json").read_text())
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    state: dict[int | str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("state."):
-            _, pid, name = key.split(".", 2)
-            state.setdefault(int(pid), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            pid, name = key.removeprefix("state.").rsplit(".", 1)
+            state.setdefault(int(pid) if pid.isdigit() else pid, {})[name] = value
+    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    if not sharded:  # plain modules load straight onto their device
+        model_state = {k: v.to(device) for k, v in model_state.items()}
+        state = {k: {n: v.to(device) for n, v in e.items()} for k, e in state.items()}
+    load_full_model_state(model, model_state)
+    load_full_optimizer_state(
+        model, optimizer, {"state": state, "param_groups": meta["param_groups"]}
+    )
     scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None]})
     torch.set_rng_state(tensors["rng.torch"].cpu())
     return Position(**meta["position"])
