@@ -6,6 +6,7 @@ against prompt lookup, per-position acceptance) and the ledger (stage timings)."
 from __future__ import annotations
 
 import json
+from math import nan
 from pathlib import Path
 from typing import Any
 
@@ -74,22 +75,24 @@ def plot_training(steps: list[dict], evals: list[dict], out: Path) -> None:
 
 
 def _label(result: dict[str, Any]) -> str:
-    return f"{Path(str(result.get('dataset', '?'))).name} T={result.get('temperature', 0):g}"
+    source = "eval" if result.get("file") == "results.json" else "bench"
+    name = Path(str(result.get("dataset", "?"))).name.split(".")[0]
+    return f"{source}: {name}\nT={result.get('temperature', 0):g}"
 
 
 def plot_tau(results: list[dict[str, Any]], out: Path) -> None:
     plt = _pyplot()
     labels = [_label(r) for r in results]
     series = {"EAGLE chain": [r["tau"] for r in results]}
-    if all("tree" in r for r in results):
-        series["EAGLE tree"] = [r["tree"]["tau"] for r in results]
+    if any("tree" in r for r in results):  # results from before tree decoding have none
+        series["EAGLE tree"] = [r["tree"]["tau"] if "tree" in r else nan for r in results]
     series["prompt lookup"] = [r["prompt_lookup_tau"] for r in results]
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(labels) + 3), 4.2))
     width = 0.8 / len(series)
     for j, (name, values) in enumerate(series.items()):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(labels))]
         bars = ax.bar(xs, values, width, label=name)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.bar_label(bars, labels=["" if v != v else f"{v:.2f}" for v in values], fontsize=7)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set(title="acceptance length (tau, pooled, bonus token included)", ylabel="tau")
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -101,14 +104,17 @@ def plot_tau(results: list[dict[str, Any]], out: Path) -> None:
 
 def plot_acceptance(result: dict[str, Any], out: Path) -> None:
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7, 4))
     chain = result["per_position_acceptance"]
     ax.plot(range(1, len(chain) + 1), chain, marker="o", label="chain")
     tree = result.get("tree", {}).get("per_position_acceptance")
     if tree:
         ax.plot(range(1, len(tree) + 1), tree, marker="s", label="dynamic tree")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(
-        title=f"per-position acceptance, {_label(result)}",
+        title=f"per-position acceptance, {_label(result).replace(chr(10), ' ')}",
         xlabel="draft position j",
         ylabel="fraction of cycles accepting j tokens or more",
     )
@@ -175,7 +181,8 @@ def write_report(run: Run) -> Path:
         lines += ["", "![training curves](training.png)", ""]
     if results:
         plot_tau(results, out / "tau.png")
-        plot_acceptance(results[0], out / "acceptance.png")
+        with_tree = [r for r in results if "tree" in r]
+        plot_acceptance((with_tree or results)[0], out / "acceptance.png")
         lines += [
             "## Speculative decoding",
             "",
