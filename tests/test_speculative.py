@@ -128,6 +128,19 @@ def _empirical(samples: list[int], size: int) -> torch.Tensor:
     return torch.bincount(torch.tensor(samples), minlength=size).double() / len(samples)
 
 
+def null_threshold(exact: torch.Tensor, n: int, gen: torch.Generator) -> float:
+    """The largest total-variation distance of 400 draws of n samples from `exact` itself:
+    how far a correct sampler's empirical distribution can land from it by chance."""
+    null = [
+        0.5
+        * (_empirical(torch.multinomial(exact, n, True, generator=gen).tolist(), 50) - exact)
+        .abs()
+        .sum()
+        for _ in range(400)
+    ]
+    return float(max(null))
+
+
 def test_speculative_sampling_matches_the_target_distribution():
     from eagletrain.speculative import TargetSession, speculative_sample
 
@@ -142,15 +155,7 @@ def test_speculative_sampling_matches_the_target_distribution():
     prompt, temperature, n = [5, 17, 3, 9], 1.0, 1000
     exact = _exact_second_token(model, prompt, temperature)
     gen = torch.Generator().manual_seed(0)
-    # the null: how far n samples drawn from the exact distribution itself land from it
-    null = [
-        0.5
-        * (_empirical(torch.multinomial(exact, n, True, generator=gen).tolist(), 50) - exact)
-        .abs()
-        .sum()
-        for _ in range(400)
-    ]
-    threshold = float(max(null))
+    threshold = null_threshold(exact, n, gen)
     for proposer in (eagle, PromptLookupProposer(vocab_size=50)):
         second = [
             speculative_sample(model, proposer, prompt, 2, 3, set(), temperature, gen).tokens[1]

@@ -8,7 +8,13 @@ from __future__ import annotations
 import random
 
 import torch
-from test_speculative import _empirical, _exact_second_token, prompts, target  # noqa: F401
+from test_speculative import (  # noqa: F401
+    _empirical,
+    _exact_second_token,
+    null_threshold,
+    prompts,
+    target,
+)
 from transformers import LlamaForCausalLM
 
 from eagletrain.drafter import DraftKVCache, Eagle3Drafter, drafter_config
@@ -72,6 +78,7 @@ def test_tree_greedy_equals_plain_greedy(target):  # noqa: F811
     assert accepted > 0  # the oracle's paths were taken, so the cache surgery ran
 
 
+@torch.no_grad()
 def test_drafted_tree_scores_equal_sequential_decoding_along_each_path(target):  # noqa: F811
     eagle = random_eagle(target, seed=2)
     prompt = prompts(1)[0]
@@ -106,8 +113,7 @@ def test_drafted_tree_scores_equal_sequential_decoding_along_each_path(target): 
             score += float(logp[draft_id])
             ids = torch.tensor([[tree.tokens[node]]])
             pos = torch.tensor([[real + depth - 1]])
-            with torch.no_grad():
-                hidden = drafter.step_cached(hidden, eagle.embed(ids), pos, cache)
+            hidden = drafter.step_cached(hidden, eagle.embed(ids), pos, cache)
         assert abs(score - tree.scores[i]) < 1e-9, (i, score, tree.scores[i])
 
 
@@ -120,14 +126,7 @@ def test_tree_sampling_matches_the_target_distribution():
     prompt, temperature, n = [5, 17, 3, 9], 1.0, 1000
     exact = _exact_second_token(model, prompt, temperature)
     gen = torch.Generator().manual_seed(0)
-    null = [
-        0.5
-        * (_empirical(torch.multinomial(exact, n, True, generator=gen).tolist(), 50) - exact)
-        .abs()
-        .sum()
-        for _ in range(400)
-    ]
-    threshold = float(max(null))
+    threshold = null_threshold(exact, n, gen)
     shape = TreeShape(total_tokens=8, depth=3, topk=3)
     second = [
         speculative_tree(model, eagle, prompt, 2, shape, set(), temperature, gen).tokens[1]
