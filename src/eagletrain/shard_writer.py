@@ -104,6 +104,7 @@ class ShardWriter:
         if batch.ready is not None:
             batch.ready.synchronize()
         failed, offset = [], 0
+        self._names = sample_tensor_names(batch.scales)
         finite = batch.finite.tolist()
         for j, item in enumerate(batch.items):
             n = batch.lengths[j]
@@ -123,7 +124,6 @@ class ShardWriter:
                     batch.loss_mask[j],
                     *(s[offset : offset + n] for s in batch.scales.values()),
                 ]
-                self._names = sample_tensor_names(batch.scales)
                 self._buffer.append((item, rows))
             offset += n
         if failed:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from eagletrain.faults import disk_limit_active, write_with_disk_limit
+from eagletrain.hidden_codec import SCALE_SUFFIX
 
 INDEX_KEY = "eagletrain.index"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -45,10 +47,15 @@ class IndexEntry:
 SAMPLE_TENSORS = ("aux", "last", "input_ids", "loss_mask")
 
 
-def sample_tensor_names(scales: dict[str, object] | list[str]) -> tuple[str, ...]:
+def scale_names(scaled: Iterable[str]) -> tuple[str, ...]:
+    """The companion tensors holding the float8 scales of the named tensors."""
+    return tuple(f"{name}{SCALE_SUFFIX}" for name in scaled)
+
+
+def sample_tensor_names(scaled: Iterable[str]) -> tuple[str, ...]:
     """The tensors whose rows make up an extracted sample, in checksum order: the four,
     then the float8 scales of those stored in float8 ("aux_scale", "last_scale")."""
-    return (*SAMPLE_TENSORS, *(f"{name}_scale" for name in scales))
+    return (*SAMPLE_TENSORS, *scale_names(scaled))
 
 
 def sample_checksum(tensors: list[torch.Tensor]) -> str:

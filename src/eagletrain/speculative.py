@@ -213,7 +213,7 @@ class PromptLookupProposer:
         return drafts, q
 
 
-def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+def truncate_at_eos(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
     tokens = tokens[:max_new]
     for i, t in enumerate(tokens):
         if t in eos:
@@ -234,7 +234,7 @@ def greedy_decode(
         logits, _ = target.forward(out[-1:])
         out.append(int(logits[-1].argmax()))
         margins.append(_margin(logits[-1]))
-    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, [], margins)
+    return Decoded(truncate_at_eos(out, max_new, eos), time.perf_counter() - start, [], margins)
 
 
 # Largest top-2 logit margin still treated as a numerical tie. Greedy speculative decoding
@@ -282,7 +282,9 @@ def _speculate(
         target.crop(verified + 1 + accepted)
         proposer.advance(new_tokens, None if features is None else features[: accepted + 1])
         out.extend(new_tokens)
-    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle)
+    return Decoded(
+        truncate_at_eos(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle
+    )
 
 
 def speculative_greedy(
@@ -314,7 +316,7 @@ def speculative_greedy(
     )
 
 
-def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
@@ -331,11 +333,11 @@ def sample_decode(
     start = time.perf_counter()
     target = TargetSession(model, None)
     logits, _ = target.forward(prompt)
-    out = [_sample(torch.softmax(logits[-1].double() / temperature, -1), generator)]
+    out = [sample_token(torch.softmax(logits[-1].double() / temperature, -1), generator)]
     while len(out) < max_new and out[-1] not in eos:
         logits, _ = target.forward(out[-1:])
-        out.append(_sample(torch.softmax(logits[-1].double() / temperature, -1), generator))
-    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start)
+        out.append(sample_token(torch.softmax(logits[-1].double() / temperature, -1), generator))
+    return Decoded(truncate_at_eos(out, max_new, eos), time.perf_counter() - start)
 
 
 def speculative_sample(
@@ -363,8 +365,8 @@ def speculative_sample(
             if u >= min(1.0, float(p[j, d] / q[j, d])):
                 residual = (p[j] - q[j]).clamp(min=0)
                 total = residual.sum()
-                return j, _sample(residual / total if total > 0 else p[j], generator)
-        return len(drafts), _sample(p[len(drafts)], generator)
+                return j, sample_token(residual / total if total > 0 else p[j], generator)
+        return len(drafts), sample_token(p[len(drafts)], generator)
 
     return _speculate(
         model,
@@ -372,7 +374,7 @@ def speculative_sample(
         prompt,
         max_new,
         eos,
-        pick=lambda logits: _sample(probs(logits), generator),
+        pick=lambda logits: sample_token(probs(logits), generator),
         draft=lambda: proposer.propose_sampled(k, temperature, generator),
         verify=verify,
     )

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagletrain.sharding import is_sharded, load_full_model_state, load_full_optimizer_state
 from eagletrain.shards import fsync_dir
 
 
@@ -71,8 +72,6 @@ def load_train_state(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> Position:
     """Restore model, optimizer, scheduler and RNG (through sharding.py under FSDP)."""
-    from eagletrain.sharding import load_full_model_state, load_full_optimizer_state
-
     model_state = load_file(path / "model.safetensors")
     device = next(model.parameters()).device
     tensors = load_file(path / "optimizer.safetensors")
@@ -82,8 +81,7 @@ def load_train_state(
         if key.startswith("state."):
             pid, name = key.removeprefix("state.").rsplit(".", 1)
             state.setdefault(int(pid) if pid.isdigit() else pid, {})[name] = value
-    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
-    if not sharded:  # plain modules load straight onto their device
+    if not is_sharded(model):  # plain modules load straight onto their device
         model_state = {k: v.to(device) for k, v in model_state.items()}
         state = {k: {n: v.to(device) for n, v in e.items()} for k, e in state.items()}
     load_full_model_state(model, model_state)

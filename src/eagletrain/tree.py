@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-from eagletrain.speculative import Decoded, EagleProposer, TargetSession, _finish, _sample
+from eagletrain.speculative import (
+    Decoded,
+    EagleProposer,
+    TargetSession,
+    sample_token,
+    truncate_at_eos,
+)
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,7 @@ def verify_sampled(
                 break
             residual[token] = 0.0
         if nxt is None:
-            return path, _sample(residual / residual.sum(), generator)
+            return path, sample_token(residual / residual.sum(), generator)
         path.append(nxt)
         node = nxt
 
@@ -190,7 +196,7 @@ def speculative_tree(
     def pick(row: torch.Tensor) -> int:
         if temperature == 0:
             return int(row.argmax())
-        return _sample(torch.softmax(row.double().cpu() / temperature, -1), generator)
+        return sample_token(torch.softmax(row.double().cpu() / temperature, -1), generator)
 
     out = [pick(logits[-1])]
     proposer.start(prompt, out[0], features)
@@ -210,4 +216,6 @@ def speculative_tree(
         proposer.advance(new_tokens, None if features is None else features[rows])
         accepted_per_cycle.append(len(path))
         out.extend(new_tokens)
-    return Decoded(_finish(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle)
+    return Decoded(
+        truncate_at_eos(out, max_new, eos), time.perf_counter() - start, accepted_per_cycle
+    )

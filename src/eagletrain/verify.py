@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from eagletrain.errors import VerifyError
+from eagletrain.hidden_codec import SCALE_SUFFIX
 from eagletrain.ledger import ItemRow, Ledger
-from eagletrain.shards import ShardReader, read_index, sample_checksum, shard_path
+from eagletrain.shards import ShardReader, read_index, sample_checksum, scale_names, shard_path
 
 # stage -> (directory inside the run, tensors whose rows make up a sample, in checksum order)
 SHARDED_STAGES = {
@@ -81,6 +82,9 @@ def _check_shard(
         reader = ShardReader(path)
     except Exception as err:  # any parse failure means every sample in it is lost
         return [(i.key, f"shard {path.name} unreadable: {type(err).__name__}") for i in items]
+    # float8 shards also hold per-token scales, part of each sample's checksum
+    present = set(reader.keys())
+    names = (*names, *scale_names(n for n in names if f"{n}{SCALE_SUFFIX}" in present))
     bad = []
     for item in items:
         entry = index.get(item.key)
@@ -93,12 +97,8 @@ def _check_shard(
         ):
             bad.append((item.key, f"{path.name} index disagrees with the ledger"))
         elif deep:
-            # float8 shards also hold per-token scales, part of each sample's checksum
-            present = set(reader.keys())
-            scaled = [n for n in ("aux", "last") if f"{n}_scale" in present]
-            all_names = (*names, *(f"{n}_scale" for n in scaled))
             try:
-                rows = [reader.rows(n, entry.offset, entry.tokens) for n in all_names]
+                rows = [reader.rows(n, entry.offset, entry.tokens) for n in names]
             except Exception as err:
                 bad.append((item.key, f"rows unreadable: {type(err).__name__}"))
                 continue
