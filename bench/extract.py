@@ -13,6 +13,7 @@ Prints a table, then `extract_ratio=<full/bare>` last.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -57,6 +58,29 @@ def bare_forward(model, batches, samples, device) -> None:
     sync(device)
 
 
+def disk_write_bandwidth(directory: Path, total: int, threads: int) -> float:
+    """Bytes/s that plain parallel file writes + fsync reach in `directory` (the same volume
+    and byte count as the shards): the ceiling any writer of this dataset has there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    block = os.urandom(1 << 24)
+    per_file = max(len(block), total // threads)
+
+    def write(i: int) -> None:
+        path = directory / f"ceiling-{i}.bin"
+        with path.open("wb") as f:
+            for _ in range(per_file // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        path.unlink()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, range(threads)))
+    return threads * (per_file // len(block)) * len(block) / (time.perf_counter() - start)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2")
@@ -69,6 +93,7 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, default=None, help="where shards go (default: a temp dir)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--writer-threads", type=int, default=4, help="shards written in parallel")
     args = p.parse_args()
 
     out = Path(tempfile.mkdtemp(dir=args.out))
@@ -104,7 +129,9 @@ def main() -> None:
         run.ledger.reset_items("extract", [i.key for i in planned])
         shutil.rmtree(run.dir / "hidden", ignore_errors=True)
         (run.dir / "hidden").mkdir()
-        writer = ShardWriter(run.dir, "extract", "0/1", "shard-bench", {}, "bench", 64)
+        writer = ShardWriter(
+            run.dir, "extract", "0/1", "shard-bench", {}, "bench", 64, args.writer_threads
+        )
         extract_batches(model, batches, samples, aux_ids, store, writer)
         sync(device)
 
@@ -119,7 +146,9 @@ def main() -> None:
 
     def write_only() -> None:
         run.ledger.reset_items("extract", [i.key for i in planned])
-        writer = ShardWriter(run.dir, "extract", "0/1", "shard-bench", {}, "bench", 64)
+        writer = ShardWriter(
+            run.dir, "extract", "0/1", "shard-bench", {}, "bench", 64, args.writer_threads
+        )
         for c in captured:
             writer.put(c)
         writer.close()
@@ -142,7 +171,11 @@ def main() -> None:
     done = run.ledger.counts("extract").get("done", 0)
     assert done == len(planned), f"only {done} of {len(planned)} samples written"
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"device {gpu}, compute {args.dtype}, store {args.store_dtype}, out {out}")
+    disk = disk_write_bandwidth(out, stored, args.writer_threads)
+    print(
+        f"device {gpu}, compute {args.dtype}, store {args.store_dtype}, out {out}, "
+        f"writer threads {args.writer_threads}"
+    )
     print(
         f"{'samples':>8} {'tokens':>9} {'batches':>8} {'bare_tok/s':>11} {'full_tok/s':>11} "
         f"{'bytes/tok':>9} {'ratio':>6}"
@@ -156,6 +189,10 @@ def main() -> None:
     print(
         f"breakdown: capture-only (forward+hooks+pack+D2H) {tokens / cap:.0f} tok/s, "
         f"write-only (checksums+shards+ledger) {tokens / wri:.0f} tok/s"
+    )
+    print(
+        f"disk ceiling: {disk / 1e9:.2f} GB/s written+fsynced by {args.writer_threads} threads "
+        f"= {disk / (stored / tokens):.0f} tok/s at {stored / tokens:.0f} bytes/token"
     )
     print(f"extract_ratio={bare / full_s:.3f}")
 

@@ -86,6 +86,8 @@ class ExtractConfig(Section):
     store_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] = "bfloat16"
     batch_tokens: int = Field(4096, ge=1)
     samples_per_shard: int = Field(64, ge=1)
+    # shards checksummed, written and fsynced in parallel (host-side throughput)
+    writer_threads: int = Field(4, ge=1)
     # refuse to start when the estimated shards do not fit the free disk
     check_space: bool = True
 
@@ -95,7 +97,13 @@ class TrainConfig(Section):
     ttt_steps: int = Field(7, ge=1)
     step_weight_decay: float = Field(0.8, gt=0.0)
     epochs: int = Field(1, ge=1)
+    # samples per step, or packed rows per step when pack_length is set
     batch_size: int = Field(1, ge=1)
+    # the target runs inside the training job (hooks, no extracted dataset on disk): for
+    # targets that fit beside the drafter; the extract stage is then skipped
+    online: bool = False
+    # pack samples into rows of this many tokens (None: one padded sample per row)
+    pack_length: int | None = Field(None, ge=2)
     lr: float = Field(1e-4, gt=0.0)
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float = Field(0.5, gt=0.0)

@@ -58,6 +58,20 @@ def _ttt_block_mask(t: int, keys: int, device: torch.device):
     return create_block_mask(mask_mod, None, None, t, keys, device=device)
 
 
+def _packed_ttt_block_mask(segments: torch.Tensor, keys: int):
+    """The TTT mask of packed rows: step 0's keys also only within the query's sample
+    (`segments` [B, t]: which sample of the row each index holds)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, t = segments.shape
+
+    def mask_mod(b, h, q, kv):
+        prefix = (kv <= q) & (segments[b, kv % t] == segments[b, q])
+        return torch.where(kv < t, prefix, (kv % t) == q)
+
+    return create_block_mask(mask_mod, b, None, t, keys, device=segments.device)
+
+
 def use_flex(x: torch.Tensor) -> bool:
     return TTT_ATTENTION == "flex" or (TTT_ATTENTION == "auto" and x.is_cuda)
 
@@ -123,19 +137,28 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def forward_ttt(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, earlier: list[KV]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        earlier: list[KV],
+        segments: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
         """Training-time test attention: (output, this step's keys/values). `earlier` holds
         the keys/values of earlier steps (step 0 first) and is not changed, so a step can be
         recomputed (activation checkpointing). The query of step k at index i sees step 0's
-        keys at indices <= i (the target-feature prefix) and steps 1..k at index i only."""
+        keys at indices <= i (the target-feature prefix) and steps 1..k at index i only.
+        With `segments` (packed rows, [B, t]) the prefix is also cut at sample boundaries."""
         q, k, v = self._qkv(x, cos, sin)
         past = [*earlier, (k, v)]
         if use_flex(x):
             t = x.shape[1]
             keys = torch.cat([kj for kj, _ in past], dim=2)
             values = torch.cat([vj for _, vj in past], dim=2)
-            mask = _ttt_block_mask(t, keys.shape[2], x.device)
+            if segments is None:
+                mask = _ttt_block_mask(t, keys.shape[2], x.device)
+            else:
+                mask = _packed_ttt_block_mask(segments, keys.shape[2])
             out = _flex_attention()(
                 q,
                 keys,
@@ -150,6 +173,8 @@ class Eagle3Attention(nn.Module):
         scale = 1.0 / math.sqrt(self.head_dim)
         t = x.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        if segments is not None:
+            causal = causal & (segments[:, None, :, None] == segments[:, None, None, :])
         prefix = (q @ k0.transpose(-1, -2)) * scale
         prefix = prefix.masked_fill(~causal, torch.finfo(prefix.dtype).min)
         chain_k = [repeat_kv(kj, rep) for kj, _ in past[1:]]
@@ -271,13 +296,15 @@ class Eagle3Drafter(nn.Module):
         embeds: torch.Tensor,
         positions: torch.Tensor,
         earlier: list[KV],
+        segments: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
-        """One TTT step: (hidden, this step's keys/values); `earlier` is left unchanged."""
+        """One TTT step: (hidden, this step's keys/values); `earlier` is left unchanged.
+        `segments` marks the samples of packed rows (None: one sample per row)."""
         cos, sin = self.rope(hidden, positions)
         kv: list[KV] = []
 
         def attend(attn: Eagle3Attention, x: torch.Tensor) -> torch.Tensor:
-            out, step_kv = attn.forward_ttt(x, cos, sin, earlier)
+            out, step_kv = attn.forward_ttt(x, cos, sin, earlier, segments)
             kv.append(step_kv)
             return out
 

@@ -117,29 +117,35 @@ def forward_captured(
     store_dtype: torch.dtype,
 ) -> CapturedBatch:
     """Right-padded batched forward. Only the valid rows of the captured layers leave the
-    device: packed there, cast to the storage dtype, copied to pinned host memory without
-    blocking (the writer thread waits on the returned event)."""
+    device: gathered there, cast to the storage dtype, copied to pinned host memory without
+    blocking (the writer thread waits on the returned event). Nothing here waits for the
+    device, so the next batch is queued while this one computes: the valid rows are
+    gathered by indices built on the host, not by a boolean mask (whose size the host
+    would have to wait for)."""
     device = next(model.parameters()).device
+    on_gpu = device.type == "cuda"
     last_id = model.config.num_hidden_layers - 1
     lengths = [len(ids) for ids, _ in inputs]
-    ids = torch.zeros(len(inputs), max(lengths), dtype=torch.long)
-    valid = torch.zeros(len(inputs), max(lengths), dtype=torch.bool)
+    longest = max(lengths)
+    ids = torch.zeros(len(inputs), longest, dtype=torch.long, pin_memory=on_gpu)
+    valid = torch.zeros(len(inputs), longest, dtype=torch.long, pin_memory=on_gpu)
     for b, (x, _) in enumerate(inputs):
         ids[b, : len(x)] = x.long()
-        valid[b, : len(x)] = True
-    ids, valid = ids.to(device, non_blocking=True), valid.to(device, non_blocking=True)
+        valid[b, : len(x)] = 1
+    rows = torch.cat([torch.arange(n) + b * longest for b, n in enumerate(lengths)])
+    sample_of_row = torch.repeat_interleave(torch.arange(len(inputs)), torch.tensor(lengths))
+    if on_gpu:
+        rows, sample_of_row = rows.pin_memory(), sample_of_row.pin_memory()
+    ids, valid, rows, sample_of_row = (
+        t.to(device, non_blocking=True) for t in (ids, valid, rows, sample_of_row)
+    )
     with torch.inference_mode(), capture_layer_outputs(model, [*aux_ids, last_id]) as captured:
-        model.model(input_ids=ids, attention_mask=valid.long(), use_cache=False)
-        aux = torch.cat([captured[i][valid] for i in aux_ids], dim=-1)
-        last = captured[last_id][valid]
+        model.model(input_ids=ids, attention_mask=valid, use_cache=False)
+        aux = torch.cat([captured[i].flatten(0, 1).index_select(0, rows) for i in aux_ids], -1)
+        last = captured[last_id].flatten(0, 1).index_select(0, rows)
         row_ok = torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1)
-        sample_of_row = torch.repeat_interleave(
-            torch.arange(len(inputs), device=device),
-            torch.tensor(lengths, device=device),
-        )
         bad_rows = torch.zeros(len(inputs), dtype=torch.int32, device=device)
         finite = bad_rows.index_add_(0, sample_of_row, (~row_ok).int()) == 0
-        on_gpu = device.type == "cuda"
         scales: dict[str, torch.Tensor] = {}
         if store_dtype == FP8:  # quantised on the device: half the bytes cross the bus
             aux, scales["aux"] = encode_fp8(aux, len(aux_ids))
@@ -311,7 +317,14 @@ def run_extract(
         pending = [i for b in batches for i in b]
         check_space(run, model, store_dtype, sum(samples.rows[i.key].tokens for i in pending))
         writer = ShardWriter(
-            run.dir, STAGE, part, prefix, meta, worker.id, cfg.extract.samples_per_shard
+            run.dir,
+            STAGE,
+            part,
+            prefix,
+            meta,
+            worker.id,
+            cfg.extract.samples_per_shard,
+            cfg.extract.writer_threads,
         )
 
         with stage_progress() as bar:

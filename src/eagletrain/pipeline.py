@@ -30,6 +30,9 @@ def run_all(
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for stage, runner in stage_runners((0, 1), allow_partial).items():
+        if stage == "extract" and run.config.train.online:
+            log("extract: skipped (train.online: the target runs inside the training job)")
+            continue
         if run.ledger.completion(stage) is not None:
             log(f"{stage}: already verified complete, skipping")
         results[stage] = runner(run)

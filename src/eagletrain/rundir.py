@@ -18,6 +18,7 @@ OPERATIONAL_KEYS = {
     "train.device",
     "eval.device",
     "extract.check_space",
+    "extract.writer_threads",
     *(
         f"data.regen.{k}"
         for k in (
@@ -95,9 +96,10 @@ def previous_stage(stage: str) -> str | None:
     return STAGES[i - 1] if i else None
 
 
-def require_previous(run: Run, stage: str, allow_partial: bool) -> None:
-    """The gate: a stage starts only on its predecessor's verified completion record."""
-    prev = previous_stage(stage)
+def require_previous(run: Run, stage: str, allow_partial: bool, prev: str | None = None) -> None:
+    """The gate: a stage starts only on its predecessor's (or `prev`'s) verified completion
+    record."""
+    prev = prev or previous_stage(stage)
     if prev is None or run.ledger.completion(prev) is not None:
         return
     row = run.ledger.stage_row(prev)

@@ -1,10 +1,12 @@
-"""The extraction writer: a background thread that turns captured batches into shards.
+"""The extraction writer: background threads that turn captured batches into shards.
 
 The forward loop hands over each batch's valid rows already packed on the device and being
-copied into pinned host memory (non-blocking); this thread waits for that copy, checks and
-checksums every sample (hashing in a thread pool: hashlib releases the GIL), writes a shard
-atomically once enough samples are buffered, and marks them done in the ledger. The queue
-is bounded, so a slow disk slows the GPU down instead of filling host memory.
+copied into pinned host memory (non-blocking). One collector thread waits for each copy,
+checks every sample and cuts a shard once enough samples are buffered; several shard
+threads then checksum (hashlib releases the GIL), write and fsync their shards in parallel
+and mark the samples done in the ledger, each with its own connection. The queue and the
+shards in flight are bounded, so a slow disk slows the GPU down instead of filling host
+memory. Shards hold whole batches, so their content does not depend on thread timing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,9 @@ class CapturedBatch:
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+Buffered = list[tuple[ItemRow, list[torch.Tensor]]]
+
+
 class ShardWriter:
     def __init__(
         self,
@@ -53,6 +58,7 @@ class ShardWriter:
         meta: dict[str, Any],
         worker_id: str,
         samples_per_shard: int,
+        shard_threads: int = 4,
         hash_threads: int = 8,
         depth: int = 3,
     ):
@@ -61,11 +67,17 @@ class ShardWriter:
         self.worker_id, self.samples_per_shard = worker_id, samples_per_shard
         self._run_dir = run_dir
         self._queue: queue.Queue[CapturedBatch | None] = queue.Queue(maxsize=depth)
-        self._pool = ThreadPoolExecutor(max_workers=hash_threads)
-        self._buffer: list[tuple[ItemRow, list[torch.Tensor]]] = []
+        self._hash_pool = ThreadPoolExecutor(max_workers=hash_threads)
+        self._shard_pool = ThreadPoolExecutor(max_workers=shard_threads)
+        self._in_flight = threading.BoundedSemaphore(shard_threads + 1)
+        self._futures: list[Future] = []
+        self._local = threading.local()
+        self._ledgers: list[Ledger] = []
+        self._ledgers_lock = threading.Lock()
+        self._buffer: Buffered = []
         self._names = sample_tensor_names([])
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="shard-collector", daemon=True)
         self._thread.start()
 
     def put(self, batch: CapturedBatch) -> None:
@@ -80,27 +92,47 @@ class ShardWriter:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
-        self._pool.shutdown()
+        self._shard_pool.shutdown()
+        self._hash_pool.shutdown()
+        for ledger in self._ledgers:
+            ledger.close()
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
+    def _ledger(self) -> Ledger:
+        """This thread's own connection (a connection must not serve two threads at once)."""
+        ledger = getattr(self._local, "ledger", None)
+        if ledger is None:
+            ledger = self._local.ledger = Ledger(self._run_dir)
+            with self._ledgers_lock:
+                self._ledgers.append(ledger)
+        return ledger
+
     def _run(self) -> None:
-        ledger = Ledger(self._run_dir)
         try:
             while (batch := self._queue.get()) is not None:
-                self._take(ledger, batch)
-            self._flush(ledger)
+                self._take(batch)
+                self._check_futures(wait=False)
+            self._cut()
+            self._check_futures(wait=True)
         except BaseException as err:  # handed to the forward loop, which re-raises it
             self.error = err
             while self._queue.get() is not None:  # unblock the producer until it stops
                 pass
-        finally:
-            ledger.close()
 
-    def _take(self, ledger: Ledger, batch: CapturedBatch) -> None:
+    def _check_futures(self, wait: bool) -> None:
+        pending = []
+        for f in self._futures:
+            if wait or f.done():
+                f.result()  # re-raises a shard thread's error here
+            else:
+                pending.append(f)
+        self._futures = pending
+
+    def _take(self, batch: CapturedBatch) -> None:
         if batch.ready is not None:
             batch.ready.synchronize()
         failed, offset = [], 0
@@ -127,17 +159,26 @@ class ShardWriter:
                 self._buffer.append((item, rows))
             offset += n
         if failed:
-            ledger.mark_items(self.stage, self.worker_id, failed)
+            self._ledger().mark_items(self.stage, self.worker_id, failed)
         if len(self._buffer) >= self.samples_per_shard:
-            self._flush(ledger)
+            self._cut()
 
-    def _flush(self, ledger: Ledger) -> None:
+    def _cut(self) -> None:
+        """Hand the buffered samples to a shard thread (waiting while too many are in flight)."""
         if not self._buffer:
             return
-        name = f"{self.prefix}-{self._buffer[0][0].ord:08d}-{uuid.uuid4().hex[:6]}.safetensors"
-        checksums = list(self._pool.map(lambda entry: sample_checksum(entry[1]), self._buffer))
+        buffered, self._buffer = self._buffer, []
+        self._in_flight.acquire()
+        future = self._shard_pool.submit(self._write, buffered, self._names)
+        future.add_done_callback(lambda _: self._in_flight.release())
+        self._futures.append(future)
+
+    def _write(self, buffered: Buffered, names: tuple[str, ...]) -> None:
+        ledger = self._ledger()
+        name = f"{self.prefix}-{buffered[0][0].ord:08d}-{uuid.uuid4().hex[:6]}.safetensors"
+        checksums = list(self._hash_pool.map(lambda entry: sample_checksum(entry[1]), buffered))
         index, results, offset = [], [], 0
-        for (item, rows), checksum in zip(self._buffer, checksums, strict=True):
+        for (item, rows), checksum in zip(buffered, checksums, strict=True):
             n = rows[0].shape[0]
             index.append(IndexEntry(item.key, offset, n, checksum))
             results.append(
@@ -152,12 +193,10 @@ class ShardWriter:
             )
             offset += n
         stacked = {
-            name_: torch.cat([rows[j] for _, rows in self._buffer])
-            for j, name_ in enumerate(self._names)
+            name_: torch.cat([rows[j] for _, rows in buffered]) for j, name_ in enumerate(names)
         }
         ledger.begin_shard(self.stage, name, self.partition)
         size = write_shard(shard_path(self.dir, name), stacked, index, self.meta)
         for r in results:
             r["bytes"] = size * r["tokens"] // offset
         ledger.mark_items(self.stage, self.worker_id, results, (name, size))
-        self._buffer.clear()

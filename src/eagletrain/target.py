@@ -165,3 +165,15 @@ def capture_layer_outputs(model: nn.Module, layer_ids: list[int]) -> Iterator[di
     finally:
         for handle in handles:
             handle.remove()
+
+
+def target_features(
+    model: nn.Module, input_ids: torch.Tensor, valid: torch.Tensor, aux_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One right-padded forward of the target: (aux [B, T, 3H], last [B, T, H]), the three
+    aux layers' outputs and the last decoder layer's output before the final norm."""
+    last_id = model.config.num_hidden_layers - 1
+    with torch.inference_mode(), capture_layer_outputs(model, [*aux_ids, last_id]) as captured:
+        model.model(input_ids=input_ids, attention_mask=valid.long(), use_cache=False)
+        aux = torch.cat([captured[i] for i in aux_ids], dim=-1)
+        return aux.clone(), captured[last_id].clone()

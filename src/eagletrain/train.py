@@ -23,9 +23,17 @@ from safetensors.torch import save_file
 from eagletrain.draft_vocab import load_or_build
 from eagletrain.drafter import Eagle3Drafter, drafter_config
 from eagletrain.errors import ConfigError, InputError
-from eagletrain.extract import read_dataset_metadata
+from eagletrain.extract import (
+    DataSamples,
+    dataset_metadata,
+    read_dataset_metadata,
+    resolve_aux_ids,
+)
 from eagletrain.faults import inject_delay
 from eagletrain.hidden_dataset import Batch, HiddenSamples
+from eagletrain.ledger import ItemRow
+from eagletrain.online_samples import OnlineSamples
+from eagletrain.packing import pack_rows
 from eagletrain.parallel import Parallel, init_parallel
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
@@ -36,7 +44,13 @@ from eagletrain.sharding import (
     grad_norm_value,
     is_sharded,
 )
-from eagletrain.target import load_target, pick_device, resolve_target
+from eagletrain.target import (
+    load_target,
+    load_tokenizer,
+    pick_device,
+    resolve_target,
+    template_hash,
+)
 from eagletrain.train_log import TrainLog
 from eagletrain.train_state import Position, load_train_state, remove_older, save_train_state
 from eagletrain.ttt import TargetHead, TTTObjective, TTTResult, step_denominators, step_weights
@@ -101,10 +115,21 @@ def batch_ttt(
         p, in_vocab = head.distribution(batch.last, drafter.target_ids(), drafter.t2d)
     denominators = None
     if parallel is not None and parallel.active:
-        denominators = parallel.sum(step_denominators(batch.loss_mask, in_vocab, steps))
+        denominators = parallel.sum(
+            step_denominators(batch.loss_mask, in_vocab, steps, batch.segments)
+        )
         weights = [w * parallel.world for w in weights]
     return objective(
-        batch.aux, batch.input_ids, batch.loss_mask, p, in_vocab, steps, weights, denominators
+        batch.aux,
+        batch.input_ids,
+        batch.loss_mask,
+        p,
+        in_vocab,
+        steps,
+        weights,
+        denominators,
+        positions=batch.positions,
+        segments=batch.segments,
     )
 
 
@@ -112,7 +137,7 @@ def evaluate_heldout(
     objective: torch.nn.Module,
     drafter: Eagle3Drafter,
     head: TargetHead,
-    data: HiddenSamples,
+    data: HiddenSamples | OnlineSamples,
     steps: int,
     weights: list[float],
     device: torch.device,
@@ -166,14 +191,30 @@ def steps_in_epoch(samples: int, batch_size: int, world: int) -> int:
     return full + (1 if rest >= world else 0)
 
 
+def packed_rows(data: HiddenSamples | OnlineSamples, row_tokens: int) -> list[list[int]]:
+    """The training samples packed into rows once (the same rows every epoch; their order
+    is shuffled per epoch)."""
+    lengths = [data.tokens(i) for i in range(len(data))]
+    longest = max(lengths)
+    if longest > row_tokens:
+        worst = data.items[lengths.index(longest)].key
+        raise ConfigError(
+            f"train.pack_length {row_tokens} is shorter than sample {worst} ({longest} "
+            f"tokens); set it to at least data.max_length"
+        )
+    return pack_rows(lengths, row_tokens)
+
+
 def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     ledger, cfg = run.ledger, run.config
     if ledger.completion(STAGE) is not None:
         return None
-    require_previous(run, STAGE, allow_partial)
-    meta = read_dataset_metadata(run.dir)
-    check_dataset(run, meta)
     tc = cfg.train
+    # online: the target runs in this job on the data stage's samples, no extracted dataset
+    require_previous(run, STAGE, allow_partial, "data" if tc.online else None)
+    meta = None if tc.online else read_dataset_metadata(run.dir)
+    if meta is not None:
+        check_dataset(run, meta)
     torch.manual_seed(cfg.run.seed)
     parallel = init_parallel(pick_device(tc.device))
     try:
@@ -182,8 +223,20 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
         parallel.close()
 
 
+def online_dataset(run: Run, device: torch.device) -> tuple[Any, dict[str, Any], list[ItemRow]]:
+    """The target on the training device, its dataset metadata (as extraction would write
+    it) and the data stage's samples."""
+    source = resolve_target(run.config.target)
+    model = load_target(source, run.config.target.dtype, device)
+    aux_ids = resolve_aux_ids(run, model.config.num_hidden_layers)
+    tmpl = template_hash(load_tokenizer(source))
+    meta = dataset_metadata(run, model, source.identity, tmpl, aux_ids)
+    meta["store_dtype"] = "online (not stored)"
+    return model, meta, run.ledger.items("data", "done")
+
+
 def _train(
-    run: Run, meta: dict[str, Any], parallel: Parallel, allow_partial: bool
+    run: Run, meta: dict[str, Any] | None, parallel: Parallel, allow_partial: bool
 ) -> dict[str, Any] | None:
     ledger, cfg, tc = run.ledger, run.config, run.config.train
     device = parallel.device(pick_device(tc.device))
@@ -192,17 +245,29 @@ def _train(
             f"train.batch_size {tc.batch_size} (the global batch) is not divisible by the "
             f"{parallel.world} ranks"
         )
-    items = ledger.items("extract", "done")
+    if tc.online:
+        target, meta, items = online_dataset(run, device)
+        check_dataset(run, meta)
+        data_samples = DataSamples(run)
+
+        def dataset(rows: list[ItemRow]) -> HiddenSamples | OnlineSamples:
+            return OnlineSamples(data_samples, rows, target, meta["aux_layer_ids"])
+
+        digest = "online-" + (ledger.completion("data") or {}).get("digest", "partial")
+    else:
+        items = ledger.items("extract", "done")
+
+        def dataset(rows: list[ItemRow]) -> HiddenSamples | OnlineSamples:
+            return HiddenSamples(run.dir / "hidden", rows)
+
+        digest = (ledger.completion("extract") or {}).get("digest", "partial")
     train_items = [i for i in items if i.split != "heldout"]
     heldout_items = [i for i in items if i.split == "heldout"]
     if not train_items:
-        raise InputError("train: the extracted dataset has no training samples")
-    hidden_dir = run.dir / "hidden"
-    train_data = HiddenSamples(hidden_dir, train_items)
-    heldout = HiddenSamples(hidden_dir, heldout_items)
+        raise InputError("train: the dataset has no training samples")
+    train_data, heldout = dataset(train_items), dataset(heldout_items)
 
     target_config, embed, head = frozen_target_parts(run)
-    digest = (ledger.completion("extract") or {}).get("digest", "partial")
 
     def masked_tokens():
         for i in range(len(train_data)):
@@ -237,7 +302,10 @@ def _train(
         head.norm_weight.to(device), head.norm_eps, head.lm_head.to(device, head_dtype)
     )
 
-    steps_per_epoch = steps_in_epoch(len(train_data), tc.batch_size, parallel.world)
+    # a step's batch is tc.batch_size samples, or packed rows of tc.pack_length tokens
+    rows = packed_rows(train_data, tc.pack_length) if tc.pack_length else None
+    units = len(rows) if rows is not None else len(train_data)
+    steps_per_epoch = steps_in_epoch(units, tc.batch_size, parallel.world)
     total_steps = steps_per_epoch * tc.epochs
     plain_objective = TTTObjective(drafter, embed, tc.activation_checkpointing)
     objective = distribute(plain_objective, parallel, tc.parallelism)
@@ -253,6 +321,8 @@ def _train(
     train_dir = run.dir / "train"
     if parallel.main:
         ledger.begin_stage(STAGE, "units", total_steps, "steps")
+        if tc.online:
+            ledger.update_detail(STAGE, online_dataset=meta)
     parallel.barrier()
     detail = (ledger.stage_row(STAGE) or {}).get("detail", {})
     resume = detail.get("resume")
@@ -309,13 +379,17 @@ def _train(
         start = time.time()
         for epoch in range(position.epoch, tc.epochs):
             # each epoch's order depends only on (seed, epoch): a resumed run sees the same
-            order = list(range(len(train_data)))
+            order = list(range(units))
             random.Random(cfg.run.seed * 1_000_003 + epoch).shuffle(order)
             first = position.batch if epoch == position.epoch else 0
             for b in range(first, steps_per_epoch):
                 indices = order[b * tc.batch_size : (b + 1) * tc.batch_size]
                 mine = indices[parallel.rank :: parallel.world]
-                batch = train_data.batch(mine).to(device, torch.float32)
+                if rows is None:
+                    batch = train_data.batch(mine)
+                else:
+                    batch = train_data.packed_batch([rows[j] for j in mine], tc.pack_length)
+                batch = batch.to(device, torch.float32)
                 with autocast:
                     r = batch_ttt(objective, drafter, head, batch, tc.ttt_steps, weights, parallel)
                 optimizer.zero_grad(set_to_none=True)

@@ -6,6 +6,10 @@ x[i+1+k] and predicts x[i+2+k]; its target distribution is the target's logits a
 i+1+k restricted to the draft vocab. A position counts when x[i+2+k] is an assistant token
 (loss mask) and the target's argmax there is in the draft vocab; each step's loss is
 normalised by its own mask sum (not by all positions: EAGLE#340).
+
+Packed rows (several samples in one row, `segments` numbering them) change three things
+only: rope positions restart at each sample, step 0's attention stops at the sample's
+start, and index i counts at step k only when x[i+2+k] belongs to the same sample.
 """
 
 from __future__ import annotations
@@ -62,6 +66,24 @@ def shift(x: torch.Tensor, by: int) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1)
 
 
+def same_segment(segments: torch.Tensor | None, by: int) -> torch.Tensor | bool:
+    """[B, T]: index i and index i + by hold the same sample (True without packing)."""
+    if segments is None:
+        return True
+    return shift(segments, by) == segments
+
+
+def step_mask(
+    loss_mask: torch.Tensor,
+    target_in_vocab: torch.Tensor,
+    segments: torch.Tensor | None,
+    k: int,
+) -> torch.Tensor:
+    """Where step k is scored: x[i+2+k] is an assistant token of the same sample and the
+    target's argmax at i+1+k is in the draft vocab."""
+    return shift(loss_mask, 2 + k) & shift(target_in_vocab, 1 + k) & same_segment(segments, 2 + k)
+
+
 @dataclass
 class TTTResult:
     loss: torch.Tensor
@@ -85,26 +107,29 @@ def ttt_forward(
     step_weights: list[float],
     denominators: torch.Tensor | None = None,  # [steps]: mask sums over the global batch
     recompute: bool = False,
+    positions: torch.Tensor | None = None,  # [B, T] rope positions (packed rows)
+    segments: torch.Tensor | None = None,  # [B, T] sample number in the row, 0 = padding
 ) -> TTTResult:
     """With `denominators` (data parallelism), step k's loss is this rank's share of the
     global batch's: summed over ranks it equals the single-process loss. With `recompute`,
     each step's decoder layer is recomputed in backward (activation checkpointing) instead
     of keeping its activations. The head's loss is fused (head_loss.py) either way."""
     b, t = input_ids.shape
-    positions = torch.arange(t, device=aux.device).expand(b, t)
+    if positions is None:
+        positions = torch.arange(t, device=aux.device).expand(b, t)
     hidden = drafter.fc(aux)
     past: list[KV] = []
     loss = aux.new_zeros((), dtype=torch.float32)
     chain = torch.ones(b, t, dtype=torch.bool, device=aux.device)
     accepted = torch.zeros(b, t, dtype=torch.long, device=aux.device)
-    counted = shift(loss_mask, 2) & shift(target_in_vocab, 1)
+    counted = step_mask(loss_mask, target_in_vocab, segments, 0)
     target_argmax = target_p.argmax(-1)
     out = TTTResult(loss, [], [], [], [], accepted, counted)
     figures: list[torch.Tensor] = []
 
     def decoder_step(hidden: torch.Tensor, tokens: torch.Tensor, k: int, *flat: torch.Tensor):
         earlier = list(zip(flat[0::2], flat[1::2], strict=True))
-        return drafter.step_ttt(hidden, embed(tokens), positions + k, earlier)
+        return drafter.step_ttt(hidden, embed(tokens), positions + k, earlier, segments)
 
     for k in range(steps):
         tokens = shift(input_ids, 1 + k)
@@ -117,7 +142,7 @@ def ttt_forward(
         # index i predicts the target's distribution at i + 1 + k: rows past t - 1 - k have
         # none, so the head runs on the first n rows against a view of target_p
         n = t - 1 - k
-        mask = shift(loss_mask, 2 + k) & shift(target_in_vocab, 1 + k)
+        mask = step_mask(loss_mask, target_in_vocab, segments, k)
         denom = (mask.sum() if denominators is None else denominators[k]).clamp(min=1)
         correct = torch.zeros_like(mask)
         step_loss = loss.new_zeros(())
@@ -156,11 +181,14 @@ def ttt_forward(
 
 
 def step_denominators(
-    loss_mask: torch.Tensor, target_in_vocab: torch.Tensor, steps: int
+    loss_mask: torch.Tensor,
+    target_in_vocab: torch.Tensor,
+    steps: int,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each TTT step's count of scored positions (the masks `ttt_forward` builds)."""
     return torch.stack(
-        [(shift(loss_mask, 2 + k) & shift(target_in_vocab, 1 + k)).sum() for k in range(steps)]
+        [step_mask(loss_mask, target_in_vocab, segments, k).sum() for k in range(steps)]
     )
 
 
