@@ -98,6 +98,12 @@ def main() -> None:
                 f"{r['prompt_lookup_tau']:.3f}",
                 f"{tokens / r['plain_seconds']:.1f}",
             )
+            print(  # each row as soon as it is measured: a stopped run keeps what it did
+                f"row {name} T={temperature:g} prompts={r['prompts']} chain_tau={r['tau']:.3f} "
+                f"chain_speedup={r['speedup']:.2f} tree_tau={r['tree']['tau']:.3f} "
+                f"tree_speedup={r['tree']['speedup']:.2f} lookup_tau={r['prompt_lookup_tau']:.3f}",
+                flush=True,
+            )
             if headline is None and temperature == 0:
                 headline = r["tree"]
     Console(width=160).print(table)

@@ -9,7 +9,9 @@ distribution from a random last-layer state, bf16 autocast and fused AdamW, as t
 FLOPs per token: 6 x (TTT x (q,k,v,o + MLP + lm_head MACs + seq x hidden) + fc MACs)
 + 2 x hidden x draft_vocab, over a 790 TFLOP/s bf16 ceiling (H200, measured).
 Each TTT step's head loss is fused (head_loss.py); `--recompute on` adds activation
-checkpointing of each step's decoder layer. A batch that does not fit is reported as OOM.
+checkpointing of each step's decoder layer, `--compile on` torch.compile of the decoder layer
+(drafter.compile_decoder_layer). A batch that does not fit is reported as OOM. Before the
+table, flex and dense attention are compared on one batch, with and without packed rows.
 Prints a table (and with `--profile` the top kernels of one configuration), then
 `mfu=<x>` last: the best flex MFU at batch 8 within the 25 GiB goal (0 if none).
 """
@@ -25,7 +27,7 @@ from rich.table import Table
 from transformers import LlamaConfig
 
 from eagletrain import drafter as drafter_module
-from eagletrain.drafter import Eagle3Drafter, drafter_config
+from eagletrain.drafter import Eagle3Drafter, compile_decoder_layer, drafter_config
 from eagletrain.ttt import TargetHead, step_weights, ttt_forward
 
 PEAK_FLOPS = 790e12
@@ -41,14 +43,26 @@ def flops_per_token(cfg: LlamaConfig, seq: int, ttt: int) -> float:
     return 6 * (ttt * per_step + fc) + 2 * h * cfg.draft_vocab_size
 
 
-def agreement(drafter, embed, head, weights, ttt: int, b: int = 2, t: int = 384) -> str:
-    """flex and dense TTT attention on the same batch: loss and fc-gradient difference."""
+def agreement(
+    drafter, embed, head, weights, ttt: int, packed: bool, b: int = 2, t: int = 384
+) -> str:
+    """flex and dense TTT attention on the same batch: loss and fc-gradient difference.
+    `packed`: each row holds three samples (positions restart, segments 1..3)."""
     device = embed.weight.device
     torch.manual_seed(1)
     aux = torch.randn(b, t, 3 * 4096, device=device, dtype=torch.bfloat16)
     last = torch.randn(b, t, 4096, device=device, dtype=torch.bfloat16)
     ids = torch.randint(0, drafter.config.vocab_size, (b, t), device=device)
     mask = torch.ones(b, t, dtype=torch.bool, device=device)
+    extra = {}
+    if packed:
+        cuts = torch.tensor([0, 100, 250, t], device=device)
+        index = torch.arange(t, device=device)
+        segment = torch.bucketize(index, cuts[1:-1], right=True)
+        extra = {
+            "positions": (index - cuts[segment]).expand(b, t),
+            "segments": (segment + 1).expand(b, t),
+        }
     with torch.no_grad():
         p, in_vocab = head.distribution(last, drafter.target_ids(), drafter.t2d)
     out = {}
@@ -56,13 +70,16 @@ def agreement(drafter, embed, head, weights, ttt: int, b: int = 2, t: int = 384)
         drafter_module.TTT_ATTENTION = mode
         drafter.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            r = ttt_forward(drafter, embed, aux, ids, mask, p, in_vocab, ttt, weights)
+            r = ttt_forward(drafter, embed, aux, ids, mask, p, in_vocab, ttt, weights, **extra)
         r.loss.backward()
         out[mode] = (r.loss.item(), drafter.fc.weight.grad.float().clone())
     drafter.zero_grad(set_to_none=True)
     (ld, gd), (lf, gf) = out["dense"], out["flex"]
     rel = float((gd - gf).norm() / gd.norm())
-    return f"flex vs dense: loss {lf:.5f} vs {ld:.5f}, fc grad relative difference {rel:.2e}"
+    what = "packed rows" if packed else "one sample per row"
+    return (
+        f"flex vs dense ({what}): loss {lf:.5f} vs {ld:.5f}, fc grad relative difference {rel:.2e}"
+    )
 
 
 def profile_step(step) -> str:
@@ -90,7 +107,10 @@ def main() -> None:
         "--recompute", default="off,on", help="activation checkpointing per TTT step: off,on"
     )
     parser.add_argument(
-        "--profile", default="", help="MODE:RECOMPUTE:BATCH to profile, e.g. flex:off:8"
+        "--compile", default="off", help="torch.compile of the decoder layer: off,on"
+    )
+    parser.add_argument(
+        "--profile", default="", help="MODE:RECOMPUTE:COMPILE:BATCH to profile, e.g. flex:off:on:8"
     )
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -119,16 +139,22 @@ def main() -> None:
     weights = step_weights(args.ttt, 0.8)
     per_token = flops_per_token(cfg, args.seq, args.ttt)
     rows, headline = [], None
-    check = agreement(drafter, embed, head, weights, args.ttt)
+    checks = [agreement(drafter, embed, head, weights, args.ttt, packed) for packed in (0, 1)]
+    print("\n".join(checks), flush=True)
     variants = [
-        (m, r, int(x))
+        (m, r, c, int(x))
+        for c in args.compile.split(",")
         for m in args.attention.split(",")
         for r in args.recompute.split(",")
         for x in args.batches.split(",")
     ]
     profile = None
-    for mode, recompute, b in variants:
+    for mode, recompute, compiled, b in variants:
         drafter_module.TTT_ATTENTION = mode
+        if compiled == "on" and drafter.midlayer._compiled_call_impl is None:
+            compile_decoder_layer(drafter)
+        elif compiled == "off":
+            drafter.midlayer._compiled_call_impl = None
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
@@ -171,6 +197,7 @@ def main() -> None:
                 (
                     mode,
                     recompute,
+                    compiled,
                     b,
                     f"{elapsed * 1e3:.0f}",
                     f"{tokens_s:,.0f}",
@@ -178,24 +205,36 @@ def main() -> None:
                     f"{peak:.1f}",
                 )
             )
+            print("row", *rows[-1], flush=True)  # kept if the run is stopped later
             if b == 8 and mode == "flex" and peak < 25:
                 headline = max(headline or 0.0, mfu)
-            if args.profile == f"{mode}:{recompute}:{b}":
+            if args.profile == f"{mode}:{recompute}:{compiled}:{b}":
                 profile = profile_step(step)
         except torch.OutOfMemoryError:
-            rows.append((mode, recompute, b, "-", "-", "-", "OOM"))
+            rows.append((mode, recompute, compiled, b, "-", "-", "-", "OOM"))
         finally:
             aux = last = ids = mask = None
     table = Table(
         title=f"drafter train step, 8B shape, seq {args.seq}, TTT {args.ttt}, "
         f"{per_token / 1e9:.2f} GFLOP/token"
     )
-    for col in ("attention", "recompute", "batch", "ms/step", "tokens/s", "MFU", "peak GiB"):
+    for col in (
+        "attention",
+        "recompute",
+        "compile",
+        "batch",
+        "ms/step",
+        "tokens/s",
+        "MFU",
+        "peak GiB",
+    ):
         table.add_column(col, justify="right")
     for row in rows:
         table.add_row(*map(str, row))
     Console(width=120).print(table)
-    print(check)
+    print("\n".join(checks))
+    best = max((float(r[6]) for r in rows if r[6] != "-"), default=0.0)
+    print(f"best MFU of any row: {best:.3f}")
     if profile:
         print(profile)
     print(f"mfu={headline if headline is not None else 0:.3f}")

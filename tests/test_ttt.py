@@ -135,3 +135,28 @@ def test_activation_recompute_gives_the_same_gradients():
         grads.append([q.grad.clone() for q in drafter.parameters()])
     for plain, recomputed in zip(*grads, strict=True):
         torch.testing.assert_close(plain, recomputed)
+
+
+def test_compiled_decoder_layer_gives_the_same_loss_and_gradients():
+    from eagletrain.drafter import compile_decoder_layer
+
+    torch.manual_seed(9)
+    b, t, steps = 2, 8, 3
+    aux = torch.randn(b, t, 3 * 32)
+    ids = torch.randint(0, 50, (b, t))
+    mask = torch.rand(b, t) < 0.8
+    p = torch.softmax(torch.randn(b, t, 20), -1)
+    in_vocab = torch.ones(b, t, dtype=torch.bool)
+    results = []
+    for compiled in (False, True):
+        drafter, embed = tiny_drafter(seed=10)
+        drafter, embed = drafter.float(), embed.float()
+        if compiled:
+            compile_decoder_layer(drafter)
+        r = ttt_forward(drafter, embed, aux, ids, mask, p, in_vocab, steps, [1.0, 0.8, 0.64])
+        r.loss.backward()
+        results.append((r.loss.detach(), [q.grad.clone() for q in drafter.parameters()]))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for a, c in zip(eager_grads, compiled_grads, strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)

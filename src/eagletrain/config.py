@@ -111,6 +111,8 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(200, ge=0)  # steps between exact-resume checkpoints
     # recompute each TTT step's decoder layer in backward instead of keeping its activations
     activation_checkpointing: bool = False
+    # torch.compile the drafter's decoder layer (fuses its element-wise work; GPUs)
+    compile: bool = False
     # under torchrun: "ddp" replicates the drafter; "fsdp" shards parameters, gradients and
     # optimizer state (torch.distributed.fsdp.fully_shard)
     parallelism: Literal["ddp", "fsdp"] = "ddp"

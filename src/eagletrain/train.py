@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagletrain.draft_vocab import load_or_build
-from eagletrain.drafter import Eagle3Drafter, drafter_config
+from eagletrain.drafter import Eagle3Drafter, compile_decoder_layer, drafter_config
 from eagletrain.errors import ConfigError, InputError
 from eagletrain.extract import (
     DataSamples,
@@ -142,15 +142,23 @@ def evaluate_heldout(
     weights: list[float],
     device: torch.device,
     batch_size: int,
+    pack_length: int | None = None,
 ) -> dict[str, Any]:
+    """Held-out loss, accuracies and simulated acceptance length; in packed rows when the
+    training is packed (the same figures, one sequence length for the kernels)."""
     drafter.eval()
     totals: dict[str, Any] = {"loss": 0.0, "acc": [0.0] * steps, "cond_acc": [0.0] * steps}
     accepted_sum, counted_sum, batches = 0.0, 0, 0
+    rows = packed_rows(data, pack_length) if pack_length else None
+    units = len(rows) if rows is not None else len(data)
     with torch.no_grad():
-        for s in range(0, len(data), batch_size):
-            batch = data.batch(list(range(s, min(s + batch_size, len(data))))).to(
-                device, torch.float32
-            )
+        for s in range(0, units, batch_size):
+            chunk = list(range(s, min(s + batch_size, units)))
+            if rows is None:
+                batch = data.batch(chunk)
+            else:
+                batch = data.packed_batch([rows[j] for j in chunk], pack_length)
+            batch = batch.to(device, torch.float32)
             r = batch_ttt(objective, drafter, head, batch, steps, weights)
             totals["loss"] += float(r.loss)
             for k in range(steps):
@@ -307,6 +315,8 @@ def _train(
     units = len(rows) if rows is not None else len(train_data)
     steps_per_epoch = steps_in_epoch(units, tc.batch_size, parallel.world)
     total_steps = steps_per_epoch * tc.epochs
+    if tc.compile:
+        compile_decoder_layer(drafter)
     plain_objective = TTTObjective(drafter, embed, tc.activation_checkpointing)
     objective = distribute(plain_objective, parallel, tc.parallelism)
     # under FSDP gathering whole states and evaluating are collectives: every rank takes part
@@ -352,6 +362,7 @@ def _train(
             weights,
             device,
             tc.batch_size,
+            tc.pack_length,
         )
         figures["heldout_split"] = "heldout" if len(heldout) else "train (no heldout)"
         figures["world_size"] = parallel.world

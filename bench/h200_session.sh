@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One H200 session of the device tool (../shared/reference/GPU.md), in back-to-back calls
+# while the machine stays warm (/tmp survives between them):
+#   PHASE=setup   carry .carry/a (GGUF first half) and .carry/c (data files)
+#   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
+#   PHASE=data    regenerate + tokenize (configs/smollm2-h200.toml) until DATA_S seconds
+#   PHASE=train   extract (what the data stage finished), train under torchrun, export
+#   PHASE=decode  eval + bench/decode.py: datasets x temperatures, chain 3 and tree
+# Everything a phase measures lands in $OUT (logs, JSON), the run itself in /tmp/q.
+set -uo pipefail
+PHASE="${PHASE:?set PHASE}"
+mkdir -p /tmp/m /tmp/c
+if [ "$PHASE" = setup ]; then
+  cp .carry/a/gguf.part.aa /tmp/m/ && cp .carry/c/* /tmp/c/ && ls -la /tmp/m /tmp/c
+  exit $?
+fi
+M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f $M ] || cat /tmp/m/gguf.part.aa .carry/b/gguf.part.ab > $M
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $M" | sha256sum -c || exit 1
+[ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/b/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src EAGLETRAIN_CACHE=/tmp/cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+SETS=(--set target.model="$M" --set data.source=/tmp/c/sharegpt_6000.jsonl.gz --set eval.dataset=/tmp/c/question.jsonl)
+# EXTRA_SETS: more overrides (a dry run on a CPU: smaller, float32)
+read -r -a EXTRA <<< "${EXTRA_SETS:-}"
+SETS+=("${EXTRA[@]}")
+CFG=configs/smollm2-h200.toml
+ledger_times() {
+  python3 -m eagletrain status /tmp/q | tee -a $OUT/$1
+  python3 - <<'PY' | tee -a $OUT/$1
+import sqlite3
+c = sqlite3.connect("/tmp/q/ledger.sqlite")
+for stage, a, b in c.execute("SELECT stage, started_at, finished_at FROM stages"):
+    last = c.execute("SELECT max(finished_at) FROM items WHERE stage=?", (stage,)).fetchone()[0]
+    print(f"stage_seconds {stage} {(b or last or a) - a:.1f}")
+PY
+}
+case "$PHASE" in
+bench)
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee $OUT/train_bench.log
+  timeout 250 python3 bench/train.py --attention flex --recompute off,on --compile off,on \
+    --batches 8,16 --iters 3 2>&1 | grep -v -i "warn" | tee -a $OUT/train_bench.log
+  for spec in "bfloat16 /tmp" "float8_e4m3fn /tmp" "bfloat16 /dev/shm"; do
+    set -- $spec
+    timeout 95 python3 bench/extract.py --model "$M" --source /tmp/c/sharegpt_6000.jsonl.gz \
+      --dtype bfloat16 --store-dtype $1 --samples 1024 --max-length 1024 --batch-tokens 32768 \
+      --out $2 --repeats 2 --writer-threads 8 2>&1 | grep -v -i "warn\|Loading\|━\|Convert\|Writing" \
+      | tail -6 | tee -a $OUT/extract_bench.log
+  done ;;
+data)
+  timeout -s INT "${DATA_S:-420}" python3 -m eagletrain data $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 \
+    | grep -v "━" | tail -5 | tee $OUT/data.log
+  ledger_times data.log ;;
+train)
+  python3 -m eagletrain extract $CFG --run-dir /tmp/q "${SETS[@]}" --allow-partial 2>&1 | grep -v "━" | tail -5 | tee $OUT/train.log
+  torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
+  python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -4 | tee -a $OUT/train.log
+  ledger_times train.log
+  cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json $OUT/ 2>/dev/null ;;
+decode)
+  timeout "${DECODE_S:-330}" python3 bench/decode.py /tmp/q --model "$M" \
+    --datasets "/tmp/c/question.jsonl,/tmp/c/HumanEval.jsonl.gz,heldout" --temperatures 0 \
+    --prompts "${PROMPTS:-5}" --max-new 128 2>&1 | grep -v -i "warn\|━" | tee $OUT/decode.log
+  timeout "${DECODE_T1_S:-150}" python3 bench/decode.py /tmp/q --model "$M" \
+    --datasets /tmp/c/question.jsonl --temperatures 1 \
+    --prompts "${PROMPTS:-5}" --max-new 128 2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
+  for f in /tmp/q/eval/bench-*.json; do cp "$f" $OUT/; done ;;
+esac
+exit 0
