@@ -132,7 +132,12 @@ def main() -> None:
         writer = ShardWriter(
             run.dir, "extract", "0/1", "shard-bench", {}, "bench", 64, args.writer_threads
         )
-        extract_batches(model, batches, samples, aux_ids, store, writer)
+        extract_batches(
+            lambda items, inputs: forward_captured(model, items, inputs, aux_ids, store),
+            batches,
+            samples,
+            writer,
+        )
         sync(device)
 
     captured: list = []

@@ -79,7 +79,29 @@ class DataConfig(Section):
     regen: RegenerateConfig = RegenerateConfig()
 
 
+class EngineConfig(Section):
+    """Hidden states written by a serving engine (extract.backend = "engine"): vLLM's
+    extract_hidden_states method + hidden-states connector, or SGLang capture in that
+    layout. `layer_ids` are the engine's, in its convention (None: the ids eagletrain
+    prints for the engine to capture). With `base_url`, the stage sends each sample's
+    token ids to that server first (a prefill of one new token)."""
+
+    dump_dir: str | None = None
+    convention: Literal["vllm", "sglang"] = "vllm"
+    layer_ids: list[int] | None = None
+    base_url: str | None = None
+    model: str = "default"
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = Field(16, ge=1)
+    timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+
+
 class ExtractConfig(Section):
+    # "hf": the target runs in this process (transformers + hooks); "engine": ingest the
+    # hidden states a serving engine wrote (engine_ingest.py), for targets too large here
+    backend: Literal["hf", "engine"] = "hf"
+    engine: EngineConfig = EngineConfig()
     # None = EAGLE-3 default: outputs of layers 1, L//2-1, L-4 (0-based).
     aux_layer_ids: list[int] | None = None
     # float8_e4m3fn: one float32 scale per token and captured layer (hidden_codec.py)

@@ -173,27 +173,29 @@ def forward_captured(
     )
 
 
+# (samples of a batch, their (input_ids, loss_mask)) -> their captured hidden states
+Capture = Callable[[list[ItemRow], list[tuple[torch.Tensor, torch.Tensor]]], CapturedBatch]
+
+
 def extract_batches(
-    model: torch.nn.Module,
+    capture: Capture,
     batches: list[list[ItemRow]],
     samples: DataSamples,
-    aux_ids: list[int],
-    store_dtype: torch.dtype,
     writer: ShardWriter,
     on_batch: Callable[[list[ItemRow]], None] = lambda batch: None,
 ) -> None:
     """The extraction loop proper (the benchmark times exactly this)."""
     for batch in batches:
         inputs = [samples.get(i.key) for i in batch]
-        writer.put(forward_captured(model, batch, inputs, aux_ids, store_dtype))
+        writer.put(capture(batch, inputs))
         on_batch(batch)
     writer.close()
 
 
 def dataset_metadata(
-    run: Run, model: torch.nn.Module, identity: str, tmpl: str, aux_ids: list[int]
+    run: Run, cfg: Any, identity: str, tmpl: str, aux_ids: list[int]
 ) -> dict[str, Any]:
-    cfg = model.config
+    """`cfg`: the target's HF config."""
     return {
         "target": identity,
         "template_hash": tmpl,
@@ -205,6 +207,11 @@ def dataset_metadata(
         "vocab_size": cfg.vocab_size,
         "store_dtype": run.config.extract.store_dtype,
         "compute_dtype": run.config.target.dtype,
+        "source": (
+            f"engine dumps ({run.config.extract.engine.convention} layer ids)"
+            if run.config.extract.backend == "engine"
+            else "transformers forward hooks"
+        ),
     }
 
 
@@ -221,9 +228,8 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def check_space(run: Run, model: torch.nn.Module, store_dtype: torch.dtype, tokens: int) -> None:
+def check_space(run: Run, hidden: int, store_dtype: torch.dtype, tokens: int) -> None:
     """Print the size estimate, and refuse to start when it cannot fit the free disk."""
-    hidden = model.config.hidden_size
     per_token = 4 * hidden * torch.finfo(store_dtype).bits // 8 + 5  # aux+last, ids, mask
     if store_dtype == FP8:
         per_token += 4 * 4  # a float32 scale per captured layer
@@ -289,10 +295,16 @@ def run_extract(
     ledger.begin_stage(STAGE, "items", len(data_items), "samples")
     ledger.plan_items(STAGE, ((i.key, i.ord, i.split) for i in data_items))
 
-    device = pick_device(cfg.target.device)
-    model = load_target(source, cfg.target.dtype, device)
-    aux_ids = resolve_aux_ids(run, model.config.num_hidden_layers)
-    meta = dataset_metadata(run, model, source.identity, tmpl, aux_ids)
+    engine = cfg.extract.backend == "engine"
+    if engine:  # the target's config only: its weights stay with the engine
+        from transformers import AutoConfig
+
+        target_config = AutoConfig.from_pretrained(source.directory)
+    else:
+        model = load_target(source, cfg.target.dtype, pick_device(cfg.target.device))
+        target_config = model.config
+    aux_ids = resolve_aux_ids(run, target_config.num_hidden_layers)
+    meta = dataset_metadata(run, target_config, source.identity, tmpl, aux_ids)
     directory = run.dir / "hidden"
     directory.mkdir(parents=True, exist_ok=True)
     _write_json(directory / DATASET_META, meta)
@@ -304,6 +316,7 @@ def run_extract(
     def done_count(led) -> int:
         return led.counts(STAGE).get("done", 0)
 
+    missing = 0
     with WorkerSession(ledger, run.dir, STAGE, part, done_counter=done_count) as worker:
         unfinished = ledger.unfinished_shards(STAGE, part)
         remove_unfinished(directory, unfinished)
@@ -314,8 +327,18 @@ def run_extract(
             cfg.extract.batch_tokens,
             partition,
         )
+        if engine:
+            capture, batches, missing = engine_capture(
+                run, source, target_config, aux_ids, store_dtype, batches, samples
+            )
+        else:
+
+            def capture(items, inputs):
+                return forward_captured(model, items, inputs, aux_ids, store_dtype)
+
         pending = [i for b in batches for i in b]
-        check_space(run, model, store_dtype, sum(samples.rows[i.key].tokens for i in pending))
+        tokens = sum(samples.rows[i.key].tokens for i in pending)
+        check_space(run, target_config.hidden_size, store_dtype, tokens)
         writer = ShardWriter(
             run.dir,
             STAGE,
@@ -335,11 +358,62 @@ def run_extract(
                 bar.advance(task, len(batch))
                 inject_delay("extract")
 
-            extract_batches(model, batches, samples, aux_ids, store_dtype, writer, on_batch)
+            extract_batches(capture, batches, samples, writer, on_batch)
         worker.sample_now()
     drop_unreferenced_shards(run)
+    if missing:
+        print(
+            f"extract: {missing} samples of partition {part} have no engine dump in "
+            f"{cfg.extract.engine.dump_dir} yet; rerun when the engine has written them"
+        )
     finalize_items_stage(run.dir, ledger, STAGE, {"aux_layer_ids": aux_ids})
     return repaired
+
+
+def engine_capture(
+    run: Run,
+    source: Any,
+    target_config: Any,
+    aux_ids: list[int],
+    store_dtype: torch.dtype,
+    batches: list[list[ItemRow]],
+    samples: DataSamples,
+) -> tuple[Capture, list[list[ItemRow]], int]:
+    """(capture from engine dumps, the batches cut to samples that have one, how many do
+    not). With extract.engine.base_url, the samples without a dump are requested first."""
+    from eagletrain.engine_ingest import EngineDumps, request_dumps, serve_command
+
+    cfg = run.config.extract.engine
+    layers, hidden = target_config.num_hidden_layers, target_config.hidden_size
+    dumps = EngineDumps(cfg, aux_ids, layers, hidden)
+    dumps.scan()
+    ids = {i.key: samples.get(i.key)[0] for b in batches for i in b}
+    found = {key: dumps.find(x) for key, x in ids.items()}
+    absent = [key for key, dump in found.items() if dump is None]
+    if absent and cfg.base_url:
+        failed = request_dumps(cfg, [(key, ids[key]) for key in absent])
+        if failed:
+            print(f"extract: {len(failed)} engine requests failed; rerun to retry them")
+        dumps.scan()
+        found.update({key: dumps.find(ids[key]) for key in absent})
+    elif absent and not dumps.by_hash:
+        print(
+            "extract: no engine dumps yet; a vLLM server that writes them: "
+            + serve_command(
+                str(source.directory),
+                str(dumps.dir),
+                aux_ids,
+                layers,
+                run.config.data.max_length + 1,
+            )
+        )
+    kept = [[i for i in b if found[i.key] is not None] for b in batches]
+    missing = sum(1 for dump in found.values() if dump is None)
+
+    def capture(items, inputs):
+        return dumps.captured(items, inputs, [found[i.key] for i in items], store_dtype)
+
+    return capture, [b for b in kept if b], missing
 
 
 def read_dataset_metadata(run_dir: Path) -> dict[str, Any]:

@@ -13,14 +13,16 @@ import asyncio
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from eagletrain.config import RegenerateConfig
 from eagletrain.errors import EagletrainError
 
+T = TypeVar("T")
 RETRIABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
@@ -111,7 +113,8 @@ class CircuitBreaker:
 
 
 class ChatClient:
-    """POST {base_url}/chat/completions with retries; use as an async context manager."""
+    """POSTs to an OpenAI-compatible server with retries (chat completions for
+    regeneration, completions for engine hidden-state requests); an async context manager."""
 
     def __init__(self, cfg: RegenerateConfig, seed: int = 0):
         self.cfg = cfg
@@ -143,10 +146,12 @@ class ChatClient:
         delay = self._rng.uniform(0, ceiling)  # full jitter
         return max(delay, retry_after) if retry_after is not None else delay
 
-    async def _once(self, payload: dict[str, Any]) -> tuple[Completion | None, str, float | None]:
-        """(completion, '', None) or (None, reason, retry_after)."""
+    async def _once(
+        self, endpoint: str, payload: dict[str, Any], parse: Callable[[dict[str, Any]], T]
+    ) -> tuple[T | None, str, float | None]:
+        """(result, '', None) or (None, reason, retry_after)."""
         try:
-            response = await self._http.post("chat/completions", json=payload)
+            response = await self._http.post(endpoint, json=payload)
         except httpx.TimeoutException:
             return None, "timeout", None
         except httpx.HTTPError as err:  # connection refused/reset, truncated body, ...
@@ -162,9 +167,29 @@ class ChatClient:
                 raise RequestFailed(reason)
             return None, reason, _retry_after(response)
         try:
-            return parse_completion(json.loads(response.content)), "", None
-        except (ValueError, TypeError) as err:
+            return parse(json.loads(response.content)), "", None
+        except (ValueError, TypeError, KeyError) as err:
             return None, f"bad response: {str(err)[:60]}", None
+
+    async def post(
+        self, endpoint: str, payload: dict[str, Any], parse: Callable[[dict[str, Any]], T]
+    ) -> T:
+        """POST {base_url}/{endpoint} with retries, backoff and the circuit breaker; `parse`
+        turns a 200 body into the result (ValueError/TypeError/KeyError: a bad body)."""
+        reason = ""
+        for attempt in range(self.cfg.max_retries + 1):
+            await self.breaker.wait_closed()
+            async with self._slots:
+                self.requests += 1
+                result, reason, retry_after = await self._once(endpoint, payload, parse)
+            if result is not None:
+                self.breaker.success()
+                return result
+            await self.breaker.failure()
+            if attempt < self.cfg.max_retries:
+                self.retries += 1
+                await asyncio.sleep(self._backoff(attempt, retry_after))
+        raise RequestFailed(f"{reason} after {self.cfg.max_retries + 1} attempts")
 
     async def complete(self, messages: list[dict[str, str]]) -> Completion:
         payload = {
@@ -173,17 +198,4 @@ class ChatClient:
             "max_tokens": self.cfg.max_tokens,
             "temperature": self.cfg.temperature,
         }
-        reason = ""
-        for attempt in range(self.cfg.max_retries + 1):
-            await self.breaker.wait_closed()
-            async with self._slots:
-                self.requests += 1
-                completion, reason, retry_after = await self._once(payload)
-            if completion is not None:
-                self.breaker.success()
-                return completion
-            await self.breaker.failure()
-            if attempt < self.cfg.max_retries:
-                self.retries += 1
-                await asyncio.sleep(self._backoff(attempt, retry_after))
-        raise RequestFailed(f"{reason} after {self.cfg.max_retries + 1} attempts")
+        return await self.post("chat/completions", payload, parse_completion)

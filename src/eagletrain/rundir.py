@@ -19,6 +19,20 @@ OPERATIONAL_KEYS = {
     "eval.device",
     "extract.check_space",
     "extract.writer_threads",
+    # how to reach and read the engine's files, not what the dataset holds (aux_layer_ids)
+    *(
+        f"extract.engine.{k}"
+        for k in (
+            "dump_dir",
+            "convention",
+            "layer_ids",
+            "base_url",
+            "api_key_env",
+            "concurrency",
+            "timeout_s",
+            "max_retries",
+        )
+    ),
     *(
         f"data.regen.{k}"
         for k in (

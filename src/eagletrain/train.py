@@ -238,7 +238,7 @@ def online_dataset(run: Run, device: torch.device) -> tuple[Any, dict[str, Any],
     model = load_target(source, run.config.target.dtype, device)
     aux_ids = resolve_aux_ids(run, model.config.num_hidden_layers)
     tmpl = template_hash(load_tokenizer(source))
-    meta = dataset_metadata(run, model, source.identity, tmpl, aux_ids)
+    meta = dataset_metadata(run, model.config, source.identity, tmpl, aux_ids)
     meta["store_dtype"] = "online (not stored)"
     return model, meta, run.ledger.items("data", "done")
 
