@@ -200,8 +200,8 @@ def steps_in_epoch(samples: int, batch_size: int, world: int) -> int:
 
 
 def packed_rows(data: HiddenSamples | OnlineSamples, row_tokens: int) -> list[list[int]]:
-    """The training samples packed into rows once (the same rows every epoch; their order
-    is shuffled per epoch)."""
+    """The samples packed into rows once (in training the same rows every epoch, their
+    order shuffled per epoch)."""
     lengths = [data.tokens(i) for i in range(len(data))]
     longest = max(lengths)
     if longest > row_tokens:
