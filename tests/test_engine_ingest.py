@@ -133,6 +133,7 @@ def test_missing_and_unfinished_dumps_leave_the_stage_incomplete(tiny_config, mo
     assert result.returncode == 0, result.stderr
     missing = len(samples) - (half - 1)
     assert f"extract: {missing} samples of partition 0/1 have no engine dump" in result.stdout
+    assert "extract: 1 engine dumps are still being written" in result.stdout
     assert Ledger(run).counts("extract").get("done") == half - 1
     refused = _extract(tiny_config, run, dumps, stage="train")
     assert refused.returncode == 3 and "not verified complete" in refused.stderr

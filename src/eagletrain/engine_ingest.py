@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 
 from eagletrain.config import EngineConfig, RegenerateConfig
 from eagletrain.errors import ConfigError, InputError
-from eagletrain.hidden_codec import FP8, encode_fp8
+from eagletrain.hidden_codec import to_store_dtype
 from eagletrain.ledger import ItemRow
 from eagletrain.shard_writer import CapturedBatch
 
@@ -197,13 +197,9 @@ class EngineDumps:
             finite.append(bool(torch.isfinite(aux).all() and torch.isfinite(last).all()))
             aux_rows.append(aux)
             last_rows.append(last)
-        aux, last = torch.cat(aux_rows), torch.cat(last_rows)
-        scales: dict[str, torch.Tensor] = {}
-        if store_dtype == FP8:
-            aux, scales["aux"] = encode_fp8(aux, len(self.aux_positions))
-            last, scales["last"] = encode_fp8(last, 1)
-        else:
-            aux, last = aux.to(store_dtype), last.to(store_dtype)
+        aux, last, scales = to_store_dtype(
+            torch.cat(aux_rows), torch.cat(last_rows), len(self.aux_positions), store_dtype
+        )
         return CapturedBatch(
             items,
             [d.tokens for d in dumps],

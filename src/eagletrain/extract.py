@@ -19,7 +19,7 @@ import torch
 
 from eagletrain.errors import ConfigError, DiskSpaceError, InputError
 from eagletrain.faults import inject_delay
-from eagletrain.hidden_codec import FP8, encode_fp8
+from eagletrain.hidden_codec import FP8, to_store_dtype
 from eagletrain.ledger import ItemRow
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
@@ -146,12 +146,8 @@ def forward_captured(
         row_ok = torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1)
         bad_rows = torch.zeros(len(inputs), dtype=torch.int32, device=device)
         finite = bad_rows.index_add_(0, sample_of_row, (~row_ok).int()) == 0
-        scales: dict[str, torch.Tensor] = {}
-        if store_dtype == FP8:  # quantised on the device: half the bytes cross the bus
-            aux, scales["aux"] = encode_fp8(aux, len(aux_ids))
-            last, scales["last"] = encode_fp8(last, 1)
-        else:
-            aux, last = aux.to(store_dtype), last.to(store_dtype)
+        # on the device: float8 halves the bytes that cross the bus
+        aux, last, scales = to_store_dtype(aux, last, len(aux_ids), store_dtype)
         on_device = [aux, last, finite, *scales.values()]
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in on_device]
         for h, t in zip(host, on_device, strict=True):
@@ -409,6 +405,11 @@ def engine_capture(
         )
     kept = [[i for i in b if found[i.key] is not None] for b in batches]
     missing = sum(1 for dump in found.values() if dump is None)
+    if dumps.in_progress:
+        print(
+            f"extract: {dumps.in_progress} engine dumps are still being written (the engine "
+            f"holds their .lock); a later run takes them"
+        )
 
     def capture(items, inputs):
         return dumps.captured(items, inputs, [found[i.key] for i in items], store_dtype)

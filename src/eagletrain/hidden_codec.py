@@ -24,3 +24,15 @@ def encode_fp8(x: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor
 def decode_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, blocks = scale.shape
     return (q.float().view(n, blocks, -1) * scale.unsqueeze(-1)).view(n, -1)
+
+
+def to_store_dtype(
+    aux: torch.Tensor, last: torch.Tensor, aux_layers: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Captured rows in the storage dtype: (aux, last, float8 scales by tensor name, empty
+    for other dtypes)."""
+    if dtype != FP8:
+        return aux.to(dtype), last.to(dtype), {}
+    aux, aux_scale = encode_fp8(aux, aux_layers)
+    last, last_scale = encode_fp8(last, 1)
+    return aux, last, {"aux": aux_scale, "last": last_scale}

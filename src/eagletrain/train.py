@@ -154,11 +154,7 @@ def evaluate_heldout(
     with torch.no_grad():
         for s in range(0, units, batch_size):
             chunk = list(range(s, min(s + batch_size, units)))
-            if rows is None:
-                batch = data.batch(chunk)
-            else:
-                batch = data.packed_batch([rows[j] for j in chunk], pack_length)
-            batch = batch.to(device, torch.float32)
+            batch = make_batch(data, chunk, rows, pack_length).to(device, torch.float32)
             r = batch_ttt(objective, drafter, head, batch, steps, weights)
             totals["loss"] += float(r.loss)
             for k in range(steps):
@@ -211,6 +207,18 @@ def packed_rows(data: HiddenSamples | OnlineSamples, row_tokens: int) -> list[li
             f"tokens); set it to at least data.max_length"
         )
     return pack_rows(lengths, row_tokens)
+
+
+def make_batch(
+    data: HiddenSamples | OnlineSamples,
+    units: list[int],
+    rows: list[list[int]] | None,
+    pack_length: int | None,
+) -> Batch:
+    """The batch of these units: samples (padded), or packed rows when `rows` is given."""
+    if rows is None or pack_length is None:
+        return data.batch(units)
+    return data.packed_batch([rows[j] for j in units], pack_length)
 
 
 def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
@@ -396,10 +404,7 @@ def _train(
             for b in range(first, steps_per_epoch):
                 indices = order[b * tc.batch_size : (b + 1) * tc.batch_size]
                 mine = indices[parallel.rank :: parallel.world]
-                if rows is None:
-                    batch = train_data.batch(mine)
-                else:
-                    batch = train_data.packed_batch([rows[j] for j in mine], tc.pack_length)
+                batch = make_batch(train_data, mine, rows, tc.pack_length)
                 batch = batch.to(device, torch.float32)
                 with autocast:
                     r = batch_ttt(objective, drafter, head, batch, tc.ttt_steps, weights, parallel)
