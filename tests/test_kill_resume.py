@@ -80,3 +80,42 @@ def test_sigkill_during_extract_then_resume(tiny_config: Path, tmp_path: Path):
     indexed = [e.key for shard in set(after.values()) for e in read_index(run / "hidden" / shard)]
     assert sorted(indexed) == sorted(after)
     assert status_json(run)["extract"]["verdict"] == "done"
+
+
+def _data_checksums(run: Path) -> dict[str, str]:
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    rows = dict(conn.execute("SELECT key, checksum FROM items WHERE stage='data' AND state='done'"))
+    conn.close()
+    return rows
+
+
+def test_run_dir_moved_mid_stage_resumes_where_it_lands(tiny_config: Path, tmp_path: Path):
+    """A run directory is self-contained: killed part-way through the data stage and moved
+    (as when it is carried to another machine), it resumes at its new path with the same
+    samples as an uninterrupted run."""
+    reference = tmp_path / "reference"
+    assert eagletrain("data", tiny_config, "--run-dir", reference).returncode == 0
+
+    first = tmp_path / "machine-a" / "run"
+    env = cli_env(EAGLETRAIN_FAULT_DELAY="data:0.5")
+    proc = eagletrain_background(
+        "data", tiny_config, "--run-dir", first, env=env, log=tmp_path / "a.log"
+    )
+    try:
+        _wait_for(lambda: (first / "ledger.sqlite").exists() and status_json(first)["data"]["done"])
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = _data_checksums(first)
+    assert 0 < len(before) < len(_data_checksums(reference))
+
+    moved = tmp_path / "machine-b" / "elsewhere"
+    moved.parent.mkdir()
+    first.rename(moved)
+    assert status_json(moved)["data"]["verdict"] == "dead"
+    resumed = eagletrain("data", tiny_config, "--run-dir", moved)
+    assert resumed.returncode == 0, resumed.stderr
+    after = _data_checksums(moved)
+    assert after == _data_checksums(reference)
+    assert all(after[key] == checksum for key, checksum in before.items())
+    assert eagletrain("verify", moved).returncode == 0
