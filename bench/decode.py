@@ -4,8 +4,10 @@ dtype, per dataset and temperature.
 
     .venv/bin/python bench/decode.py RUN_DIR [--datasets mtbench,humaneval,heldout]
         [--prompts 16] [--max-new 128] [--temperatures 0,1] [--chain 3] [--tree 32,6,8]
-        [--model PATH] [--dtype float32] [--device auto]
+        [--model PATH] [--dtype float32] [--device auto] [--engines eager,compiled]
 
+Each engine (eager DynamicCache, static cache, compiled: static + torch.compile, CUDA graphs
+on a GPU) runs plain and speculative decoding alike, so each speedup is same-engine.
 RUN_DIR is a finished run (its export directory is what is loaded, as `eagletrain eval`
 does); each result is also saved as RUN_DIR/eval/bench-<dataset>-T<t>.json for
 `eagletrain report`. Prints a table, then `speedup=<x> tau=<y>` last: the dynamic
@@ -34,6 +36,22 @@ from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_
 from eagletrain.tree import TreeShape
 
 
+def add_row(table: Table, engine: str, name: str, temperature: float, r: dict) -> None:
+    tokens = sum(p["plain_tokens"] for p in r["per_prompt"])
+    cells = {
+        "chain_tau": f"{r['tau']:.3f}",
+        "chain_speedup": f"{r['speedup']:.2f}",
+        "tree_tau": f"{r['tree']['tau']:.3f}",
+        "tree_speedup": f"{r['tree']['speedup']:.2f}",
+        "lookup_tau": f"{r['prompt_lookup_tau']:.3f}",
+        "plain_tok_s": f"{tokens / r['plain_seconds']:.1f}",
+    }
+    table.add_row(engine, name, f"{temperature:g}", str(r["prompts"]), *cells.values())
+    # each row as soon as it is measured: a stopped run keeps what it did
+    fields = " ".join(f"{k}={v}" for k, v in cells.items())
+    print(f"row {engine} {name} T={temperature:g} prompts={r['prompts']} {fields}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir", type=Path)
@@ -46,6 +64,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="target path (default: the run's)")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--engines", default="eager", help="eager,static,compiled")
     args = parser.parse_args()
 
     run = reopen_run(args.run_dir)
@@ -68,44 +87,31 @@ def main() -> None:
         f"{args.max_new} new tokens"
     )
     for col in (
-        "dataset", "T", "prompts", "chain tau", "chain speedup", "tree tau",
+        "engine", "dataset", "T", "prompts", "chain tau", "chain speedup", "tree tau",
         "tree speedup", "lookup tau", "plain tok/s",
     ):  # fmt: skip
         table.add_column(col, justify="right")
     headline = None
-    for dataset in args.datasets.split(","):
-        if dataset == "heldout":
-            prompts = heldout_prompts(run, args.prompts)
-        else:
-            prompts = chat_prompts(tokenizer, dataset, args.prompts)
-        for temperature in (float(t) for t in args.temperatures.split(",")):
-            settings = Decoding(args.max_new, args.chain, temperature, 0, shape)
-            r = evaluate_prompts(model, drafter, prompts, settings, eos)
-            tokens = sum(p["plain_tokens"] for p in r["per_prompt"])
+    for engine in args.engines.split(","):
+        for dataset in args.datasets.split(","):
+            if dataset == "heldout":
+                prompts = heldout_prompts(run, args.prompts)
+            else:
+                prompts = chat_prompts(tokenizer, dataset, args.prompts)
             name = Path(dataset).name.split(".")[0]
-            r = {"dataset": dataset, "device": str(device), **r}
-            saved = run.dir / "eval" / f"bench-{name}-T{temperature:g}.json"
-            saved.parent.mkdir(exist_ok=True)
-            saved.write_text(json.dumps(r, indent=2))  # `eagletrain report` shows these
-            table.add_row(
-                name,
-                f"{temperature:g}",
-                str(r["prompts"]),
-                f"{r['tau']:.3f}",
-                f"{r['speedup']:.2f}x",
-                f"{r['tree']['tau']:.3f}",
-                f"{r['tree']['speedup']:.2f}x",
-                f"{r['prompt_lookup_tau']:.3f}",
-                f"{tokens / r['plain_seconds']:.1f}",
-            )
-            print(  # each row as soon as it is measured: a stopped run keeps what it did
-                f"row {name} T={temperature:g} prompts={r['prompts']} chain_tau={r['tau']:.3f} "
-                f"chain_speedup={r['speedup']:.2f} tree_tau={r['tree']['tau']:.3f} "
-                f"tree_speedup={r['tree']['speedup']:.2f} lookup_tau={r['prompt_lookup_tau']:.3f}",
-                flush=True,
-            )
-            if headline is None and temperature == 0:
-                headline = r["tree"]
+            for temperature in (float(t) for t in args.temperatures.split(",")):
+                settings = Decoding(args.max_new, args.chain, temperature, 0, shape, engine)
+                r = {
+                    "dataset": dataset,
+                    "device": str(device),
+                    **evaluate_prompts(model, drafter, prompts, settings, eos),
+                }
+                saved = run.dir / "eval" / f"bench-{engine}-{name}-T{temperature:g}.json"
+                saved.parent.mkdir(exist_ok=True)
+                saved.write_text(json.dumps(r, indent=2))  # `eagletrain report` shows these
+                add_row(table, engine, name, temperature, r)
+                if headline is None and temperature == 0:
+                    headline = r["tree"]
     Console(width=160).print(table)
     if headline:
         print(f"speedup={headline['speedup']:.3f} tau={headline['tau']:.3f}")

@@ -142,7 +142,8 @@ def null_threshold(exact: torch.Tensor, n: int, gen: torch.Generator) -> float:
 
 
 def test_speculative_sampling_matches_the_target_distribution():
-    from eagletrain.speculative import TargetSession, speculative_sample
+    from eagletrain.speculative import speculative_sample
+    from eagletrain.target_session import TargetSession
 
     torch.manual_seed(11)
     model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=False)).double().eval()

@@ -18,7 +18,8 @@ from test_speculative import (  # noqa: F401
 from transformers import LlamaForCausalLM
 
 from eagletrain.drafter import DraftKVCache, Eagle3Drafter, drafter_config
-from eagletrain.speculative import EagleProposer, TargetSession, greedy_decode
+from eagletrain.speculative import EagleProposer, greedy_decode
+from eagletrain.target_session import TargetSession
 from eagletrain.tree import DraftTree, TreeShape, draft_tree, speculative_tree
 
 

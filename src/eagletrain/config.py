@@ -164,6 +164,9 @@ class EvalConfig(Section):
     tree_total_tokens: int = Field(32, ge=1)
     tree_depth: int = Field(6, ge=1)
     tree_topk: int = Field(8, ge=1)
+    # decoding engine shared by plain and speculative decoding: "eager" (DynamicCache),
+    # "static" (one preallocated cache) or "compiled" (static + torch.compile, CUDA graphs)
+    engine: Literal["eager", "static", "compiled"] = "eager"
 
 
 class Config(Section):

@@ -34,6 +34,7 @@ from eagletrain.speculative import (
     speculative_sample,
 )
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
+from eagletrain.target_session import StaticTarget
 from eagletrain.tree import TreeShape, speculative_tree
 from eagletrain.worker import WorkerSession
 
@@ -99,6 +100,22 @@ class Decoding:
     temperature: float
     seed: int
     tree: TreeShape | None
+    # "eager" (DynamicCache), "static" (one preallocated cache) or "compiled" (static, with
+    # torch.compile / CUDA graphs for fixed-shape steps): plain and speculative share it
+    engine: str = "eager"
+
+
+def static_engine(
+    model: torch.nn.Module, prompts: list[tuple[str, list[int]]], settings: Decoding
+) -> StaticTarget | None:
+    """The static engine sized for the longest prompt, or None for the eager one."""
+    if settings.engine == "eager":
+        return None
+    verify = max(settings.draft_steps, settings.tree.total_tokens if settings.tree else 0) + 1
+    longest = max(len(p) for _, p in prompts)
+    return StaticTarget(
+        model, longest + settings.max_new_tokens + verify, settings.engine == "compiled"
+    )
 
 
 def _summary(accepted: list[int], positions: int, plain_s: float, spec_s: float) -> dict:
@@ -109,6 +126,24 @@ def _summary(accepted: list[int], positions: int, plain_s: float, spec_s: float)
         "speculative_seconds": spec_s,
         "speedup": plain_s / spec_s if spec_s else None,
     }
+
+
+def _warm_up(
+    model: torch.nn.Module,
+    eagle: EagleProposer,
+    prompt: list[int],
+    settings: Decoding,
+    eos: set[int],
+    engine: StaticTarget | None,
+) -> None:
+    """Run every method's step shapes once, untimed, so that no timing includes compilation,
+    CUDA-graph capture or first-call library setup (as in a server that has warmed up)."""
+    k, lookup = settings.draft_steps, PromptLookupProposer(vocab_size=model.config.vocab_size)
+    greedy_decode(model, prompt, 8, eos, engine=engine)
+    speculative_greedy(model, eagle, prompt, 8, k, eos, engine=engine)
+    speculative_greedy(model, lookup, prompt, 8, k, eos, engine=engine)
+    if settings.tree:
+        speculative_tree(model, eagle, prompt, 8, settings.tree, eos, engine=engine)
 
 
 def evaluate_prompts(
@@ -129,6 +164,9 @@ def evaluate_prompts(
     per_prompt, mismatches, ties = [], [], []
     tolerance = TIE_TOLERANCE[model.dtype]
     k, temp, max_new = settings.draft_steps, settings.temperature, settings.max_new_tokens
+    engine = static_engine(model, prompts, settings)
+    on = {"engine": engine}
+    _warm_up(model, eagle, prompts[0][1], settings, eos, engine)
     for i, (pid, prompt) in enumerate(prompts):
         lookup_proposer = PromptLookupProposer(vocab_size=model.config.vocab_size)
         decoded = {}
@@ -136,21 +174,23 @@ def evaluate_prompts(
             # sampling is lossless in distribution, not token by token: no equality check
             # here (tests/test_speculative.py, test_tree.py check it statistically)
             gen = torch.Generator().manual_seed(settings.seed * 100_003 + i)
-            plain = sample_decode(model, prompt, max_new, eos, temp, gen)
-            decoded["eagle"] = speculative_sample(model, eagle, prompt, max_new, k, eos, temp, gen)
+            plain = sample_decode(model, prompt, max_new, eos, temp, gen, **on)
+            decoded["eagle"] = speculative_sample(
+                model, eagle, prompt, max_new, k, eos, temp, gen, **on
+            )
             decoded["prompt-lookup"] = speculative_sample(
-                model, lookup_proposer, prompt, max_new, k, eos, temp, gen
+                model, lookup_proposer, prompt, max_new, k, eos, temp, gen, **on
             )
         else:
-            plain = greedy_decode(model, prompt, max_new, eos)
-            decoded["eagle"] = speculative_greedy(model, eagle, prompt, max_new, k, eos)
+            plain = greedy_decode(model, prompt, max_new, eos, **on)
+            decoded["eagle"] = speculative_greedy(model, eagle, prompt, max_new, k, eos, **on)
             decoded["prompt-lookup"] = speculative_greedy(
-                model, lookup_proposer, prompt, max_new, k, eos
+                model, lookup_proposer, prompt, max_new, k, eos, **on
             )
         if settings.tree:
             gen = torch.Generator().manual_seed(settings.seed * 100_003 + i + 7)
             decoded["tree"] = speculative_tree(
-                model, eagle, prompt, max_new, settings.tree, eos, temp, gen
+                model, eagle, prompt, max_new, settings.tree, eos, temp, gen, **on
             )
         for name, result in decoded.items() if temp == 0 else ():
             at = first_divergence(plain, result)
@@ -194,6 +234,7 @@ def evaluate_prompts(
         "prompt_lookup_tau": pooled_tau(accepted["prompt-lookup"]),
         "plain_seconds": seconds["plain"],
         "dtype": str(model.dtype).removeprefix("torch."),
+        "engine": settings.engine,
         "lossless": True if temp == 0 else "by construction (rejection sampling)",
         "tie_tolerance": tolerance,
         "tie_divergences": ties,
@@ -230,6 +271,7 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
         ec.temperature,
         ec.seed,
         TreeShape(ec.tree_total_tokens, ec.tree_depth, ec.tree_topk) if ec.tree else None,
+        ec.engine,
     )
     ledger.begin_stage(STAGE, "units", len(prompts), "prompts")
 

@@ -77,7 +77,8 @@ def plot_training(steps: list[dict], evals: list[dict], out: Path) -> None:
 def _label(result: dict[str, Any]) -> str:
     source = "eval" if result.get("file") == "results.json" else "bench"
     name = Path(str(result.get("dataset", "?"))).name.split(".")[0]
-    return f"{source}: {name}\nT={result.get('temperature', 0):g}"
+    engine = result.get("engine", "eager")
+    return f"{source}: {name}\nT={result.get('temperature', 0):g}, {engine}"
 
 
 def plot_tau(results: list[dict[str, Any]], out: Path) -> None:

@@ -9,17 +9,15 @@ accepted, and the proposer is told which tokens (and target features) became rea
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
 
 from eagletrain.drafter import DraftKVCache, Eagle3Drafter
-from eagletrain.target import capture_layer_outputs
+from eagletrain.target_session import StaticTarget, open_session
 
 
 @dataclass
@@ -34,71 +32,6 @@ class Decoded:
 def _margin(logits: torch.Tensor) -> float:
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
-
-
-def _cache_argument(model: torch.nn.Module) -> str:
-    # transformers renamed `past_key_values` to `cache` after 5.17 (the H200 has 5.17).
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-class TargetSession:
-    """The target with a KV cache; a forward can also return the aux-layer features."""
-
-    def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int] | None):
-        self.model = model
-        self.aux_layer_ids = aux_layer_ids
-        self.cache = DynamicCache()
-        self.device = next(model.parameters()).device
-        self._cache_kw = _cache_argument(model)
-
-    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids = torch.tensor([tokens], device=self.device)
-        kwargs = {"input_ids": ids, "use_cache": True, self._cache_kw: self.cache}
-        if not self.aux_layer_ids:
-            return self.model(**kwargs).logits[0], None
-        with capture_layer_outputs(self.model, self.aux_layer_ids) as captured:
-            logits = self.model(**kwargs).logits[0]
-        return logits, torch.cat([captured[i][0] for i in self.aux_layer_ids], dim=-1)
-
-    def forward_tree(
-        self, tokens: list[int], positions: list[int], tree_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Score a token tree in one forward: `tree_mask` [n, n] (True = attend) says which
-        of the new tokens each one sees; every one sees the whole cache."""
-        past = self.cache.get_seq_length()
-        dtype = next(self.model.parameters()).dtype
-        allowed = torch.cat(
-            [torch.ones(len(tokens), past, dtype=torch.bool), tree_mask.cpu()], dim=1
-        ).to(self.device)
-        # an additive float mask: read the same way by the eager and the SDPA attention
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-        kwargs = {
-            "input_ids": torch.tensor([tokens], device=self.device),
-            "position_ids": torch.tensor([positions], device=self.device),
-            "attention_mask": mask,
-            "use_cache": True,
-            self._cache_kw: self.cache,
-        }
-        if not self.aux_layer_ids:
-            return self.model(**kwargs).logits[0], None
-        with capture_layer_outputs(self.model, self.aux_layer_ids) as captured:
-            logits = self.model(**kwargs).logits[0]
-        return logits, torch.cat([captured[i][0] for i in self.aux_layer_ids], dim=-1)
-
-    def keep(self, length: int, rows: list[int]) -> None:
-        """Keep the first `length` cache entries and then those of the given rows of the
-        last forward (the accepted path of a tree), in that order."""
-        index = torch.cat([torch.arange(length), length + torch.tensor(rows)]).to(self.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-
-    def crop(self, length: int) -> None:
-        # A negative count (tokens to remove) is what both transformers 4.x and 5.x accept.
-        excess = self.cache.get_seq_length() - length
-        if excess > 0:
-            self.cache.crop(-excess)
 
 
 class Proposer(Protocol):
@@ -223,11 +156,15 @@ def truncate_at_eos(tokens: list[int], max_new: int, eos: set[int]) -> list[int]
 
 @torch.inference_mode()
 def greedy_decode(
-    model: torch.nn.Module, prompt: list[int], max_new: int, eos: set[int]
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new: int,
+    eos: set[int],
+    engine: StaticTarget | None = None,
 ) -> Decoded:
     """Plain greedy decoding on the same engine (same cache, same dtype) as the speculative loop."""
     start = time.perf_counter()
-    target = TargetSession(model, None)
+    target = open_session(model, None, engine)
     logits, _ = target.forward(prompt)
     out, margins = [int(logits[-1].argmax())], [_margin(logits[-1])]
     while len(out) < max_new and out[-1] not in eos:
@@ -262,12 +199,13 @@ def _speculate(
     pick: Callable[[torch.Tensor], int],
     draft: Callable[[], tuple[list[int], torch.Tensor | None]],
     verify: Callable[[list[int], torch.Tensor | None, torch.Tensor], tuple[int, int]],
+    engine: StaticTarget | None = None,
 ) -> Decoded:
     """The draft-verify loop shared by greedy decoding and sampling: `pick` chooses a token
     from logits, `draft` proposes (drafts, their proposal distributions or None), `verify`
     returns (drafts accepted, the target's own next token)."""
     start = time.perf_counter()
-    target = TargetSession(model, proposer.aux_layer_ids)
+    target = open_session(model, proposer.aux_layer_ids, engine)
     logits, features = target.forward(prompt)
     out = [pick(logits[-1])]
     proposer.start(prompt, out[0], features)
@@ -294,6 +232,7 @@ def speculative_greedy(
     max_new: int,
     k: int,
     eos: set[int],
+    engine: StaticTarget | None = None,
 ) -> Decoded:
     """Accept the longest draft prefix equal to the target's argmax, then its next argmax."""
 
@@ -313,6 +252,7 @@ def speculative_greedy(
         pick=lambda logits: int(logits.argmax()),
         draft=lambda: (proposer.propose(k), None),
         verify=verify,
+        engine=engine,
     )
 
 
@@ -328,10 +268,11 @@ def sample_decode(
     eos: set[int],
     temperature: float,
     generator: torch.Generator,
+    engine: StaticTarget | None = None,
 ) -> Decoded:
     """Plain sampling on the same engine as speculative sampling."""
     start = time.perf_counter()
-    target = TargetSession(model, None)
+    target = open_session(model, None, engine)
     logits, _ = target.forward(prompt)
     out = [sample_token(torch.softmax(logits[-1].double() / temperature, -1), generator)]
     while len(out) < max_new and out[-1] not in eos:
@@ -349,6 +290,7 @@ def speculative_sample(
     eos: set[int],
     temperature: float,
     generator: torch.Generator,
+    engine: StaticTarget | None = None,
 ) -> Decoded:
     """Lossless speculative sampling (Leviathan et al.; Chen et al.): draft j is accepted with
     probability min(1, p(d)/q(d)); the first rejected position is resampled from
@@ -377,6 +319,7 @@ def speculative_sample(
         pick=lambda logits: sample_token(probs(logits), generator),
         draft=lambda: proposer.propose_sampled(k, temperature, generator),
         verify=verify,
+        engine=engine,
     )
 
 

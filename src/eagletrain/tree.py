@@ -28,10 +28,10 @@ import torch
 from eagletrain.speculative import (
     Decoded,
     EagleProposer,
-    TargetSession,
     sample_token,
     truncate_at_eos,
 )
+from eagletrain.target_session import StaticTarget, open_session
 
 
 @dataclass(frozen=True)
@@ -186,11 +186,12 @@ def speculative_tree(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     drafting: Callable[[Any, TreeShape], DraftTree] = draft_tree,
+    engine: StaticTarget | None = None,
 ) -> Decoded:
     """Dynamic-tree speculative decoding; greedy at temperature 0, else lossless sampling.
     accepted_per_cycle counts the draft tokens accepted per cycle (tau adds the bonus)."""
     start = time.perf_counter()
-    target = TargetSession(model, proposer.aux_layer_ids)
+    target = open_session(model, proposer.aux_layer_ids, engine)
     logits, features = target.forward(prompt)
 
     def pick(row: torch.Tensor) -> int:

@@ -1,0 +1,124 @@
+"""Cost of one decoding step per engine: a plain step, a chain cycle (k drafter steps and a
+(k + 1)-token verification) and a dynamic-tree cycle, on the eager DynamicCache engine, the
+static-cache engine and the compiled one (torch.compile of the fixed-shape steps, CUDA
+graphs on a GPU), all in the same run.
+
+    .venv/bin/python bench/decode_engine.py [--layers 30] [--width 576] [--vocab 49152]
+        [--engines eager,static,compiled] [--tokens 64] [--chain 3] [--tree 32,6,8]
+        [--dtype float32] [--device auto]
+
+Random weights of the given shape (defaults: SmolLM2-135M's 30 layers, width 576, vocab
+49152) and a random drafter: acceptance is near zero, so every cycle does the same work and
+its time is what decoding overhead costs. A narrow --width isolates per-operation overhead
+(what bounds batch-1 decoding of a small model on a GPU). Prints a table, then
+`compiled_plain_speedup=<x>` last: eager plain-step time over compiled plain-step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagletrain.drafter import Eagle3Drafter, drafter_config
+from eagletrain.speculative import EagleProposer, greedy_decode, speculative_greedy
+from eagletrain.target import pick_device
+from eagletrain.target_session import StaticTarget
+from eagletrain.tree import TreeShape, speculative_tree
+
+
+def per_cycle_ms(decode, cycles_of, repeats: int = 3) -> float:
+    """Best of `repeats` wall times of one decode, per cycle, in ms."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = decode()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / cycles_of(result))
+    return 1000 * best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--width", type=int, default=576)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--engines", default="eager,static,compiled")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--chain", type=int, default=3)
+    parser.add_argument("--tree", default="32,6,8", help="total tokens, depth, top-k")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+
+    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
+    heads = max(args.width // 64, 1)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.width,
+        intermediate_size=int(args.width * 8 / 3),
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 3, 1),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device, dtype).eval()
+    aux = [1, args.layers // 2 - 1, args.layers - 4]
+    drafter = Eagle3Drafter(drafter_config(cfg, 8192, aux)).to(device, dtype).eval()
+    drafter.set_draft_vocab(torch.arange(8192, device=device))
+    embed = model.get_input_embeddings()
+    shape = TreeShape(*(int(x) for x in args.tree.split(",")))
+    prompt = torch.randint(100, args.vocab, (96,), generator=torch.Generator().manual_seed(0))
+    prompt, n, k = prompt.tolist(), args.tokens, args.chain
+
+    table = Table(
+        title=f"decoding cost per step/cycle, {args.layers} layers x {args.width} wide, "
+        f"{args.dtype} on {device}, chain {k}, tree {args.tree}, {n} new tokens"
+    )
+    for col in ("engine", "plain step ms", "chain cycle ms", "tree cycle ms", "chain / plain"):
+        table.add_column(col, justify="right")
+    plain_ms = {}
+    for name in args.engines.split(","):
+        engine, room = None, len(prompt) + n + shape.total_tokens + 2
+        if name != "eager":
+            engine = StaticTarget(model, room, compile=name == "compiled")
+        methods = {
+            "plain": lambda e=engine: greedy_decode(model, prompt, n, set(), engine=e),
+            "chain": lambda e=engine: speculative_greedy(
+                model, EagleProposer(drafter, embed), prompt, n, k, set(), engine=e
+            ),
+            "tree": lambda e=engine: speculative_tree(
+                model, EagleProposer(drafter, embed), prompt, n, shape, set(), engine=e
+            ),
+        }
+        ms = {}
+        with torch.inference_mode():
+            for method, decode in methods.items():
+                decode()  # compile, capture graphs, warm caches: untimed
+                decode()
+                ms[method] = per_cycle_ms(
+                    decode,
+                    (lambda r: len(r.tokens)) if method == "plain" else
+                    (lambda r: len(r.accepted_per_cycle)),
+                )  # fmt: skip
+        plain_ms[name] = ms["plain"]
+        table.add_row(name, *(f"{ms[m]:.2f}" for m in methods), f"{ms['chain'] / ms['plain']:.2f}")
+        print(
+            f"row {name} plain_ms={ms['plain']:.3f} chain_ms={ms['chain']:.3f} "
+            f"tree_ms={ms['tree']:.3f}",
+            flush=True,
+        )
+    Console(width=140).print(table)
+    if "eager" in plain_ms and "compiled" in plain_ms:
+        print(f"compiled_plain_speedup={plain_ms['eager'] / plain_ms['compiled']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

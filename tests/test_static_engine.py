@@ -1,0 +1,107 @@
+"""The static decoding engine (one preallocated cache, optionally compiled fixed-shape
+steps) decodes exactly as the eager DynamicCache engine: the same plain, chain and tree
+outputs, the same accepted drafts per cycle and the same target features, across prompts
+that reuse one cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculative import OracleProposer, prompts, target  # noqa: F401
+from test_tree import OracleTree, random_eagle
+from torch._dynamo.utils import counters
+
+from eagletrain.evaluate import Decoding, evaluate_prompts
+from eagletrain.speculative import greedy_decode, speculative_greedy
+from eagletrain.target_session import StaticTarget, TargetSession
+from eagletrain.tree import TreeShape, speculative_tree
+
+SHAPE = TreeShape(total_tokens=12, depth=4, topk=3)
+
+
+def _same_decoding(model, engine: StaticTarget, prompt_list: list[list[int]]) -> int:
+    """Decode every prompt on both engines; return the drafts accepted (so a caller can
+    check that the cache surgery after acceptance ran)."""
+    accepted = 0
+    for i, prompt in enumerate(prompt_list):
+        plain = greedy_decode(model, prompt, 30, set())
+        assert greedy_decode(model, prompt, 30, set(), engine=engine).tokens == plain.tokens
+        for make in (random_eagle, OracleProposer):
+            args = (model, i) if make is random_eagle else (plain.tokens, 0.3, i)
+            eager = speculative_greedy(model, make(*args), prompt, 30, 3, set())
+            static = speculative_greedy(model, make(*args), prompt, 30, 3, set(), engine=engine)
+            assert static.tokens == eager.tokens == plain.tokens
+            assert static.accepted_per_cycle == eager.accepted_per_cycle
+            accepted += sum(static.accepted_per_cycle)
+        eagle = random_eagle(model, seed=i)
+        assert speculative_tree(model, eagle, prompt, 30, SHAPE, set(), engine=engine).tokens == (
+            plain.tokens
+        )
+        runs = []
+        for attach in (None, engine):
+            oracle = OracleTree(plain.tokens, seed=i)
+            runs.append(
+                speculative_tree(
+                    model, oracle, prompt, 30, SHAPE, set(), drafting=oracle.draft, engine=attach
+                )
+            )
+        assert runs[0].tokens == runs[1].tokens == plain.tokens
+        assert runs[0].accepted_per_cycle == runs[1].accepted_per_cycle
+        accepted += sum(runs[1].accepted_per_cycle)
+    return accepted
+
+
+def test_static_engine_decodes_as_the_eager_engine(target):  # noqa: F811
+    engine = StaticTarget(target, max_len=128)
+    assert _same_decoding(target, engine, prompts(4)) > 0
+
+
+@torch.inference_mode()
+def test_static_engine_features_equal_the_hooked_layer_outputs(target):  # noqa: F811
+    engine = StaticTarget(target, max_len=64)
+    prompt = prompts(1)[0]
+    eager = TargetSession(target, [1, 3, 4])
+    static = engine.session([1, 3, 4])
+    for tokens in (prompt, [5, 9, 11], [2]):
+        (eager_logits, eager_features), (static_logits, static_features) = (
+            eager.forward(tokens),
+            static.forward(tokens),
+        )
+        torch.testing.assert_close(static_logits, eager_logits)
+        torch.testing.assert_close(static_features, eager_features)
+
+
+def test_full_static_cache_is_a_clear_error(target):  # noqa: F811
+    session = StaticTarget(target, max_len=8).session(None)
+    session.forward([1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="static cache of 8 positions is full"):
+        session.forward([1, 2, 3, 4])
+
+
+def test_compiled_static_engine_decodes_as_the_eager_engine(target):  # noqa: F811
+    """torch.compile of the fixed-shape steps (CUDA graphs on a GPU; on this CPU the same
+    graphs without them): one graph per step shape, reused across prompts."""
+    torch._dynamo.reset()
+    engine = StaticTarget(target, max_len=128, compile=True)
+    first, second = prompts(2)
+    assert _same_decoding(target, engine, [first]) > 0
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 3  # plain, chain and tree steps at least
+    assert _same_decoding(target, engine, [second]) > 0
+    assert counters["stats"]["unique_graphs"] == graphs  # the next prompt compiled nothing
+
+
+def test_evaluation_on_the_static_engine_measures_what_the_eager_one_does(target):  # noqa: F811
+    drafter = random_eagle(target).drafter
+    batch = [(f"p{i}", p) for i, p in enumerate(prompts(3))]
+    results = {
+        engine: evaluate_prompts(
+            target, drafter, batch, Decoding(24, 3, 0.0, 0, SHAPE, engine), eos=set()
+        )
+        for engine in ("eager", "static")
+    }
+    eager, static = results["eager"], results["static"]
+    assert static["engine"] == "static" and eager["engine"] == "eager"
+    for key in ("tau", "cycles", "prompt_lookup_tau"):
+        assert static[key] == eager[key]
+    assert static["tree"]["tau"] == eager["tree"]["tau"]
