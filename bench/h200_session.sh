@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # One H200 session of the device tool (../shared/reference/GPU.md), in back-to-back calls
-# while the machine stays warm (/tmp survives between them):
-#   PHASE=setup   carry .carry/a (GGUF first half) and .carry/c (data files)
+# while the machine stays warm (/tmp survives between them; 64 MiB travel per call):
+#   PHASE=setup   carry .carry/a (GGUF first half) and .carry/c (eval prompt files)
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
-#   PHASE=data    regenerate + tokenize (configs/smollm2-h200.toml) until DATA_S seconds
+#   PHASE=data    carry .carry/d (ShareGPT JSONL.gz) and, to continue an earlier session's
+#                 run, .carry/r (its rundata.tgz.* pieces): regenerate + tokenize
+#                 (configs/smollm2-h200.toml) until DATA_S seconds, then bring the run's
+#                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
+#                 them into .carry/r here for the next session: a run directory is
+#                 relocatable, tests/test_kill_resume.py)
+#   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
 #   PHASE=train   extract (what the data stage finished), train under torchrun, export
-#   PHASE=decode  eval + bench/decode.py: datasets x temperatures, chain 3 and tree
+#   PHASE=decode  bench/decode.py on ENGINES (default eager,compiled): datasets x
+#                 temperatures, chain 3 and tree, each speedup against plain decoding on
+#                 the same engine
 # Everything a phase measures lands in $OUT (logs, JSON), the run itself in /tmp/q.
 set -uo pipefail
 PHASE="${PHASE:?set PHASE}"
@@ -19,7 +27,8 @@ M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $M" | sha256sum -c || exit 1
 [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/b/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src EAGLETRAIN_CACHE=/tmp/cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-SETS=(--set target.model="$M" --set data.source=/tmp/c/sharegpt_6000.jsonl.gz --set eval.dataset=/tmp/c/question.jsonl)
+DATA_FILE="${DATA_FILE:-sharegpt_16000.jsonl.gz}"
+SETS=(--set target.model="$M" --set data.source=/tmp/c/$DATA_FILE --set eval.dataset=/tmp/c/question.jsonl)
 # EXTRA_SETS: more overrides (a dry run on a CPU: smaller, float32)
 read -r -a EXTRA <<< "${EXTRA_SETS:-}"
 SETS+=("${EXTRA[@]}")
@@ -47,9 +56,15 @@ bench)
       | tail -6 | tee -a $OUT/extract_bench.log
   done ;;
 data)
+  [ -f /tmp/c/$DATA_FILE ] || cp .carry/d/$DATA_FILE /tmp/c/ || exit 1
+  if [ ! -d /tmp/q ] && ls .carry/r/rundata.tgz.* >/dev/null 2>&1; then
+    mkdir -p /tmp/q && cat .carry/r/rundata.tgz.* | tar -C /tmp/q -xzf - || exit 1
+    python3 -m eagletrain status /tmp/q | head -3 | tee $OUT/restored.log
+  fi
   timeout -s INT "${DATA_S:-420}" python3 -m eagletrain data $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 \
     | grep -v "━" | tail -5 | tee $OUT/data.log
-  ledger_times data.log ;;
+  ledger_times data.log
+  tar -C /tmp/q -czf - config.toml ledger.sqlite data | split -b 15M - $OUT/rundata.tgz. ;;
 train)
   python3 -m eagletrain extract $CFG --run-dir /tmp/q "${SETS[@]}" --allow-partial 2>&1 | grep -v "━" | tail -5 | tee $OUT/train.log
   torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
@@ -58,11 +73,15 @@ train)
   cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json $OUT/ 2>/dev/null ;;
 decode)
   timeout "${DECODE_S:-330}" python3 bench/decode.py /tmp/q --model "$M" \
-    --datasets "/tmp/c/question.jsonl,/tmp/c/HumanEval.jsonl.gz,heldout" --temperatures 0 \
+    --engines "${ENGINES:-eager,compiled}" --datasets "/tmp/c/question.jsonl,/tmp/c/HumanEval.jsonl.gz,heldout" --temperatures 0 \
     --prompts "${PROMPTS:-5}" --max-new 128 2>&1 | grep -v -i "warn\|━" | tee $OUT/decode.log
   timeout "${DECODE_T1_S:-150}" python3 bench/decode.py /tmp/q --model "$M" \
-    --datasets /tmp/c/question.jsonl --temperatures 1 \
+    --engines "${ENGINES:-eager,compiled}" --datasets /tmp/c/question.jsonl --temperatures 1 \
     --prompts "${PROMPTS:-5}" --max-new 128 2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
   for f in /tmp/q/eval/bench-*.json; do cp "$f" $OUT/; done ;;
+engines)
+  # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
+  timeout "${ENGINE_S:-240}" python3 bench/decode_engine.py --dtype bfloat16 --tokens 96 \
+    2>&1 | grep -v -i "warn" | tee $OUT/decode_engine.log ;;
 esac
 exit 0
