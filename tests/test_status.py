@@ -1,5 +1,6 @@
 """`status` from the ledger alone: per-state counts kept by triggers, stalled vs running
-for a stopped worker, and a second operator refused with who holds the stage."""
+for a paused worker, stopped (not failed) after SIGINT, and a second operator refused with
+who holds the stage."""
 
 from __future__ import annotations
 
@@ -59,6 +60,19 @@ def test_stopped_worker_is_stalled_then_running_again(tiny_config: Path, tmp_pat
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_sigint_reads_stopped_not_failed_and_a_rerun_finishes(tiny_config: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    proc = _start_slow_extract(tiny_config, run, tmp_path, "extract")
+    os.kill(proc.pid, signal.SIGINT)  # what `timeout -s INT` or Ctrl-C sends
+    proc.wait(timeout=60)
+    extract = status_json(run)["extract"]
+    assert extract["verdict"] == "stopped", extract
+    assert extract["note"] == "stopped by SIGINT; rerun the stage to resume"
+    assert 0 < extract["done"] < extract["total"]
+    assert eagletrain("extract", tiny_config, "--run-dir", run).returncode == 0
+    assert status_json(run)["extract"]["verdict"] == "done"
 
 
 def test_second_operator_is_refused_with_the_holder(tiny_config: Path, tmp_path: Path):

@@ -77,7 +77,7 @@ CREATE TABLE IF NOT EXISTS workers(
     heartbeat_at REAL NOT NULL,
     progress_at REAL,
     current TEXT,
-    state TEXT NOT NULL,           -- running | exited | failed | dead
+    state TEXT NOT NULL,           -- running | exited | failed | stopped | dead
     error TEXT,
     ended_at REAL
 );

@@ -1,4 +1,4 @@
-"""`eagletrain status`: running / stalled / dead / done / failed, N of M, rate, ETA.
+"""`eagletrain status`: running / stalled / dead / done / failed / stopped, N of M, rate, ETA.
 
 Reads only the ledger (a handful of indexed queries), never the data directories, so it
 answers in milliseconds whether the run has a hundred items or a million.
@@ -74,7 +74,7 @@ def _worker_verdict(w: dict[str, Any], now: float, host: str) -> WorkerView:
         else:
             verdict = "running"
     else:
-        verdict = {"exited": "exited", "failed": "failed", "dead": "dead"}[w["state"]]
+        verdict = w["state"]  # exited | failed | stopped | dead
     return WorkerView(
         w["partition"],
         w["pid"],
@@ -130,7 +130,7 @@ def stage_status(ledger: Ledger, stage: str, now: float | None = None) -> StageS
         return st
 
     verdicts = {w.verdict for w in st.workers}
-    for verdict in ("running", "stalled", "dead", "failed"):
+    for verdict in ("running", "stalled", "dead", "failed", "stopped"):
         if verdict in verdicts:
             st.verdict = verdict
             break
@@ -148,10 +148,10 @@ def stage_status(ledger: Ledger, stage: str, now: float | None = None) -> StageS
     elif st.verdict == "dead":
         dead = next(w for w in st.workers if w.verdict == "dead")
         st.note = f"worker pid {dead.pid} on {dead.host} is gone; rerun the stage to resume"
-    elif st.verdict == "failed":
-        failed = next((w for w in st.workers if w.verdict == "failed"), None)
-        if failed is not None and failed.error:
-            st.note = failed.error
+    elif st.verdict in ("failed", "stopped"):
+        ended = next((w for w in st.workers if w.verdict == st.verdict), None)
+        if ended is not None and ended.error:
+            st.note = ended.error
 
     if st.verdict in ("running", "stalled"):
         st.rate_per_s = _rate(ledger, stage, now)

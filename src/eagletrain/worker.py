@@ -150,8 +150,12 @@ class WorkerSession:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        state = "exited" if exc_type is None else "failed"
-        error = None if exc is None else f"{type(exc).__name__}: {exc}"[:500]
+        if exc_type is None:
+            state, error = "exited", None
+        elif issubclass(exc_type, KeyboardInterrupt):  # SIGINT: an operator's or a timeout's
+            state, error = "stopped", "stopped by SIGINT; rerun the stage to resume"
+        else:
+            state, error = "failed", f"{type(exc).__name__}: {exc}"[:500]
         self.sample_now()
         self.ledger.conn.execute(
             "UPDATE workers SET state=?, error=?, ended_at=?, heartbeat_at=? WHERE id=?",
