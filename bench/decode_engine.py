@@ -1,7 +1,7 @@
 """Cost of one decoding step per engine: a plain step, a chain cycle (k drafter steps and a
 (k + 1)-token verification) and a dynamic-tree cycle, on the eager DynamicCache engine, the
-static-cache engine and the compiled one (torch.compile of the fixed-shape steps, CUDA
-graphs on a GPU), all in the same run.
+static-cache engine and the compiled one (torch.compile of the target's and the drafter's
+fixed-shape steps, CUDA graphs on a GPU), all in the same run.
 
     .venv/bin/python bench/decode_engine.py [--layers 30] [--width 576] [--vocab 49152]
         [--engines eager,static,compiled] [--tokens 64] [--chain 3] [--tree 32,6,8]
@@ -25,9 +25,9 @@ from rich.table import Table
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagletrain.drafter import Eagle3Drafter, drafter_config
+from eagletrain.evaluate import Decoding, static_engines
 from eagletrain.speculative import EagleProposer, greedy_decode, speculative_greedy
 from eagletrain.target import pick_device
-from eagletrain.target_session import StaticTarget
 from eagletrain.tree import TreeShape, speculative_tree
 
 
@@ -86,16 +86,16 @@ def main() -> None:
         table.add_column(col, justify="right")
     plain_ms = {}
     for name in args.engines.split(","):
-        engine, room = None, len(prompt) + n + shape.total_tokens + 2
-        if name != "eager":
-            engine = StaticTarget(model, room, compile=name == "compiled")
+        settings = Decoding(n, k, 0.0, 0, shape, name)
+        engine, draft_cache = static_engines(model, drafter, [("prompt", prompt)], settings)
+        eagle = EagleProposer(drafter, embed, draft_cache)
         methods = {
             "plain": lambda e=engine: greedy_decode(model, prompt, n, set(), engine=e),
-            "chain": lambda e=engine: speculative_greedy(
-                model, EagleProposer(drafter, embed), prompt, n, k, set(), engine=e
+            "chain": lambda e=engine, p=eagle: speculative_greedy(
+                model, p, prompt, n, k, set(), engine=e
             ),
-            "tree": lambda e=engine: speculative_tree(
-                model, EagleProposer(drafter, embed), prompt, n, shape, set(), engine=e
+            "tree": lambda e=engine, p=eagle: speculative_tree(
+                model, p, prompt, n, shape, set(), engine=e
             ),
         }
         ms = {}

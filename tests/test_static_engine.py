@@ -1,7 +1,7 @@
-"""The static decoding engine (one preallocated cache, optionally compiled fixed-shape
-steps) decodes exactly as the eager DynamicCache engine: the same plain, chain and tree
-outputs, the same accepted drafts per cycle and the same target features, across prompts
-that reuse one cache."""
+"""The static decoding engine (preallocated target and drafter caches, optionally compiled
+fixed-shape steps) decodes exactly as the eager engine: the same plain, chain and tree
+outputs, the same drafts and drafted trees, the same accepted drafts per cycle and the same
+target features, across prompts that reuse one cache."""
 
 from __future__ import annotations
 
@@ -12,42 +12,67 @@ from test_tree import OracleTree, random_eagle
 from torch._dynamo.utils import counters
 
 from eagletrain.evaluate import Decoding, evaluate_prompts
-from eagletrain.speculative import greedy_decode, speculative_greedy
+from eagletrain.speculative import EagleProposer, greedy_decode, speculative_greedy
+from eagletrain.static_draft_cache import StaticDraftCache
 from eagletrain.target_session import StaticTarget, TargetSession
-from eagletrain.tree import TreeShape, speculative_tree
+from eagletrain.tree import TreeShape, draft_tree, speculative_tree
 
 SHAPE = TreeShape(total_tokens=12, depth=4, topk=3)
 
 
+def _recorded(proposer: EagleProposer) -> tuple[EagleProposer, list]:
+    """The proposer, and the list its chain drafts and drafted trees are appended to."""
+    seen: list = []
+    propose = EagleProposer.propose.__get__(proposer)  # the method, not an earlier wrapper
+    proposer.propose = lambda k: seen.append(propose(k)) or seen[-1]
+    return proposer, seen
+
+
+def _tree_recorder(seen: list):
+    def drafting(proposer, shape):
+        tree = draft_tree(proposer, shape)
+        seen.append((tree.tokens, tree.parents))
+        return tree
+
+    return drafting
+
+
 def _same_decoding(model, engine: StaticTarget, prompt_list: list[list[int]]) -> int:
-    """Decode every prompt on both engines; return the drafts accepted (so a caller can
-    check that the cache surgery after acceptance ran)."""
+    """Decode every prompt on both engines (the drafter's cache static too) and compare the
+    outputs, the drafts of every cycle and the drafted trees; return the drafts accepted (so a
+    caller can check that the cache surgery after acceptance ran)."""
+    eager_eagle = random_eagle(model)
+    draft_cache = StaticDraftCache(eager_eagle.drafter, 160, compile=engine.compiled)
+    static_eagle = EagleProposer(eager_eagle.drafter, eager_eagle.embed, draft_cache)
     accepted = 0
     for i, prompt in enumerate(prompt_list):
         plain = greedy_decode(model, prompt, 30, set())
         assert greedy_decode(model, prompt, 30, set(), engine=engine).tokens == plain.tokens
-        for make in (random_eagle, OracleProposer):
-            args = (model, i) if make is random_eagle else (plain.tokens, 0.3, i)
-            eager = speculative_greedy(model, make(*args), prompt, 30, 3, set())
-            static = speculative_greedy(model, make(*args), prompt, 30, 3, set(), engine=engine)
-            assert static.tokens == eager.tokens == plain.tokens
-            assert static.accepted_per_cycle == eager.accepted_per_cycle
-            accepted += sum(static.accepted_per_cycle)
-        eagle = random_eagle(model, seed=i)
-        assert speculative_tree(model, eagle, prompt, 30, SHAPE, set(), engine=engine).tokens == (
-            plain.tokens
-        )
-        runs = []
+        runs, drafts = [], []
+        for eagle, attach in ((eager_eagle, None), (static_eagle, engine)):
+            proposer, seen = _recorded(eagle)
+            runs.append(speculative_greedy(model, proposer, prompt, 30, 3, set(), engine=attach))
+            drafting = _tree_recorder(seen)
+            speculative_tree(
+                model, eagle, prompt, 30, SHAPE, set(), drafting=drafting, engine=attach
+            )
+            drafts.append(seen)
+        assert runs[0].tokens == runs[1].tokens == plain.tokens
+        assert drafts[0] == drafts[1]
         for attach in (None, engine):
+            oracle = OracleProposer(plain.tokens, 0.3, i)
+            runs.append(speculative_greedy(model, oracle, prompt, 30, 3, set(), engine=attach))
             oracle = OracleTree(plain.tokens, seed=i)
             runs.append(
                 speculative_tree(
                     model, oracle, prompt, 30, SHAPE, set(), drafting=oracle.draft, engine=attach
                 )
             )
-        assert runs[0].tokens == runs[1].tokens == plain.tokens
-        assert runs[0].accepted_per_cycle == runs[1].accepted_per_cycle
-        accepted += sum(runs[1].accepted_per_cycle)
+        chain, tree = (runs[2], runs[4]), (runs[3], runs[5])
+        for eager, static in (chain, tree):
+            assert eager.tokens == static.tokens == plain.tokens
+            assert eager.accepted_per_cycle == static.accepted_per_cycle
+            accepted += sum(static.accepted_per_cycle)
     return accepted
 
 

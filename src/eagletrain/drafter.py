@@ -220,6 +220,27 @@ class Eagle3Attention(nn.Module):
         )
         return self._out(o)
 
+    def forward_static(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        allowed: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decoding on preallocated key/value buffers: the new positions are written at
+        `slots` (in place) and attend as `allowed` [new, buffer length] (bool) says."""
+        q, k, v = self._qkv(x, cos, sin)
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v)
+        rep = self.num_heads // self.num_kv_heads
+        o = F.scaled_dot_product_attention(
+            q, repeat_kv(keys, rep), repeat_kv(values, rep), attn_mask=allowed
+        )
+        return self._out(o)
+
 
 class DraftKVCache:
     """The drafter's key/value cache for decoding; `crop` drops rejected draft positions."""

@@ -33,6 +33,7 @@ from eagletrain.speculative import (
     speculative_greedy,
     speculative_sample,
 )
+from eagletrain.static_draft_cache import StaticDraftCache
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
 from eagletrain.target_session import StaticTarget
 from eagletrain.tree import TreeShape, speculative_tree
@@ -105,17 +106,27 @@ class Decoding:
     engine: str = "eager"
 
 
-def static_engine(
-    model: torch.nn.Module, prompts: list[tuple[str, list[int]]], settings: Decoding
-) -> StaticTarget | None:
-    """The static engine sized for the longest prompt, or None for the eager one."""
+def static_engines(
+    model: torch.nn.Module,
+    drafter: Eagle3Drafter,
+    prompts: list[tuple[str, list[int]]],
+    settings: Decoding,
+) -> tuple[StaticTarget | None, StaticDraftCache | None]:
+    """The target's and the drafter's static caches sized for the longest prompt (None, None
+    for the eager engine)."""
     if settings.engine == "eager":
-        return None
-    verify = max(settings.draft_steps, settings.tree.total_tokens if settings.tree else 0) + 1
-    longest = max(len(p) for _, p in prompts)
-    return StaticTarget(
-        model, longest + settings.max_new_tokens + verify, settings.engine == "compiled"
-    )
+        return None, None
+    tree = settings.tree
+    verify = max(settings.draft_steps, tree.total_tokens if tree else 0) + 1
+    room = max(len(p) for _, p in prompts) + settings.max_new_tokens + verify
+    # tree drafting appends up to (depth - 1) x topk nodes after the real prefix
+    drafted = (tree.depth - 1) * tree.topk if tree else 0
+    compile = settings.engine == "compiled"
+    draft_cache = StaticDraftCache(drafter, room + max(drafted, settings.draft_steps), compile)
+    # new tokens per cycle: up to k + 1 (chain) or depth + 1 (tree); tree steps are topk wide
+    longest_step = max(settings.draft_steps, tree.depth if tree else 0) + 1
+    draft_cache.warm_up(range(1, longest_step + 1), [tree.topk] if tree else [])
+    return StaticTarget(model, room, compile), draft_cache
 
 
 def _summary(accepted: list[int], positions: int, plain_s: float, spec_s: float) -> dict:
@@ -156,15 +167,14 @@ def evaluate_prompts(
 ) -> dict[str, Any]:
     """Plain decoding, EAGLE chain, EAGLE dynamic tree and prompt lookup on every prompt;
     greedy outputs must equal plain greedy decoding (up to numerical near-ties)."""
-    embed = model.get_input_embeddings()
-    eagle = EagleProposer(drafter, embed)
+    engine, draft_cache = static_engines(model, drafter, prompts, settings)
+    eagle = EagleProposer(drafter, model.get_input_embeddings(), draft_cache)
     names = ["eagle", "prompt-lookup", *(["tree"] if settings.tree else [])]
     accepted: dict[str, list[int]] = {n: [] for n in names}
     seconds: dict[str, float] = {n: 0.0 for n in ["plain", *names]}
     per_prompt, mismatches, ties = [], [], []
     tolerance = TIE_TOLERANCE[model.dtype]
     k, temp, max_new = settings.draft_steps, settings.temperature, settings.max_new_tokens
-    engine = static_engine(model, prompts, settings)
     on = {"engine": engine}
     _warm_up(model, eagle, prompts[0][1], settings, eos, engine)
     for i, (pid, prompt) in enumerate(prompts):

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from eagletrain.drafter import DraftKVCache, Eagle3Drafter
+from eagletrain.static_draft_cache import StaticDraftCache
 from eagletrain.target_session import StaticTarget, open_session
 
 
@@ -54,21 +55,39 @@ class EagleProposer:
     """EAGLE-3 chain drafting. Drafter index i pairs the target feature of position i with
     token i+1; the k-th draft step runs at rope position (last real index) + k."""
 
-    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module):
-        self.drafter, self.embed = drafter, embed
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        embed: torch.nn.Module,
+        static_cache: StaticDraftCache | None = None,
+    ):
+        """`static_cache`: the static engine's drafter cache (else a growing one per prompt)."""
+        self.drafter, self.embed, self.static_cache = drafter, embed, static_cache
         self.aux_layer_ids = list(drafter.config.eagle_aux_layer_ids)
         self.device = next(drafter.parameters()).device
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One drafter forward over new positions, appended to this prompt's cache."""
+        if isinstance(self.cache, StaticDraftCache):
+            return self.cache.step(hidden, embeds, positions, mask)
+        return self.drafter.step_cached(hidden, embeds, positions, self.cache, mask)
 
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         first = len(self.cache)
         positions = torch.arange(first, first + len(next_tokens), device=self.device)[None]
         ids = torch.tensor([next_tokens], device=self.device)
         hidden = self.drafter.fc(features[None].to(self.device))
-        out = self.drafter.step_cached(hidden, self.embed(ids), positions, self.cache)
+        out = self.step(hidden, self.embed(ids), positions)
         self.real, self.last_hidden = first + len(next_tokens), out[:, -1:]
 
     def start(self, prompt: list[int], first: int, features: torch.Tensor | None) -> None:
-        self.cache = DraftKVCache()
+        self.cache = self.static_cache.reset() if self.static_cache else DraftKVCache()
         self._extend(features, [*prompt[1:], first])
 
     def propose(self, k: int) -> list[int]:
@@ -79,7 +98,7 @@ class EagleProposer:
             if j + 1 < k:
                 pos = torch.tensor([[self.real + j]], device=self.device)
                 emb = self.embed(torch.tensor([[token]], device=self.device))
-                hidden = self.drafter.step_cached(hidden, emb, pos, self.cache)
+                hidden = self.step(hidden, emb, pos)
         return drafts
 
     def advance(self, new_tokens: list[int], features: torch.Tensor | None) -> None:
@@ -104,7 +123,7 @@ class EagleProposer:
             if j + 1 < k:
                 pos = torch.tensor([[self.real + j]], device=self.device)
                 emb = self.embed(torch.tensor([[token]], device=self.device))
-                hidden = self.drafter.step_cached(hidden, emb, pos, self.cache)
+                hidden = self.step(hidden, emb, pos)
         return drafts, torch.stack(rows)
 
 

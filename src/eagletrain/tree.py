@@ -116,9 +116,7 @@ def draft_tree(proposer: EagleProposer, shape: TreeShape) -> DraftTree:
         positions = torch.tensor(
             [[real + candidates[c].depth - 1 for c in frontier]], device=device
         )
-        out = drafter.step_cached(
-            hidden_in, proposer.embed(ids), positions, proposer.cache, allowed.to(device)
-        )
+        out = proposer.step(hidden_in, proposer.embed(ids), positions, allowed.to(device))
         children = []
         for row, c in enumerate(frontier):
             output[c] = out[:, row : row + 1]

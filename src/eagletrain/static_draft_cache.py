@@ -1,0 +1,106 @@
+"""The drafter's decoding cache for the static engine (see target_session.py): keys and
+values preallocated once per evaluation, steps of a fixed token count compiled."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from eagletrain.drafter import Eagle3Drafter
+
+
+def allow_one_graph_per_shape(shapes: int) -> None:
+    """torch.compile falls back to eager after 8 recompiles of one function by default; a
+    decoding loop compiles one graph per step shape."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), shapes))
+
+
+class StaticDraftCache:
+    """The drafter's decoding cache preallocated for `max_len` positions, reused by every
+    prompt (`reset`); `crop` moves a length. With `compile`, steps after the prefill run as
+    torch.compile graphs (CUDA graphs on a GPU), one per step shape, since nothing that
+    varies between steps is a Python number inside them."""
+
+    def __init__(self, drafter: Eagle3Drafter, max_len: int, compile: bool = False):
+        cfg, weight = drafter.config, drafter.fc.weight
+        shape = (1, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.values = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        torch._dynamo.mark_static_address(self.keys)
+        torch._dynamo.mark_static_address(self.values)
+        self.drafter, self.max_len, self.length, self.compiled = drafter, max_len, 0, compile
+        self.buffer_index = torch.arange(max_len, device=weight.device)
+        if compile:
+            allow_one_graph_per_shape(64)
+        self._compiled = (
+            torch.compile(self._forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            if compile
+            else self._forward
+        )
+
+    def __len__(self) -> int:
+        return self.length
+
+    def reset(self) -> StaticDraftCache:
+        self.length = 0
+        return self
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def _forward(self, hidden, embeds, positions, slots, allowed) -> torch.Tensor:
+        cos, sin = self.drafter.rope(hidden, positions)
+        kv = (self.keys, self.values)
+        return self.drafter.midlayer(
+            hidden, embeds, lambda attn, x: attn.forward_static(x, cos, sin, *kv, slots, allowed)
+        )
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As `Eagle3Drafter.step_cached`: causal over the cache, or as `mask` [new, cache +
+        new] says (tree drafting). The output is a copy, safe across later steps."""
+        n, device = hidden.shape[1], self.keys.device
+        if self.length + n > self.max_len:
+            raise ValueError(f"drafter cache of {self.max_len} positions is full")
+        slots = torch.arange(self.length, self.length + n, device=device)
+        if mask is None:
+            allowed = self.buffer_index[None] <= slots[:, None]
+        else:
+            allowed = torch.zeros(n, self.max_len, dtype=torch.bool, device=device)
+            allowed[:, : mask.shape[1]] = mask
+        forward = self._compiled if self.length else self._forward  # prefill runs eager
+        out = forward(hidden, embeds, positions, slots, allowed).clone()
+        self.length += n
+        return out
+
+    def warm_up(self, sizes: Iterable[int], masked: Iterable[int]) -> None:
+        """Compile and capture every step shape ahead of any timing: causal steps of each
+        size in `sizes` (new tokens after a verification, drafts) and tree-masked steps of
+        each size in `masked`. Three rounds, as CUDA graphs are recorded on a later call
+        than the first. The cache is left empty."""
+        weight = self.drafter.fc.weight
+        h = self.drafter.config.hidden_size
+
+        def run(n: int, mask: bool) -> None:
+            zeros = torch.zeros(1, n, h, dtype=weight.dtype, device=weight.device)
+            positions = torch.arange(self.length, self.length + n, device=weight.device)[None]
+            allowed = torch.ones(n, self.length + n, dtype=torch.bool, device=weight.device)
+            self.step(zeros, zeros, positions, allowed if mask else None)
+
+        sizes, masked = list(sizes), list(masked)
+        for _ in range(3):
+            self.reset()
+            run(1, False)  # the prefill, eager
+            for n in sizes:
+                run(n, False)
+            for n in masked:
+                run(n, True)
+        self.reset()
