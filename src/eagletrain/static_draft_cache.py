@@ -3,19 +3,23 @@ values preallocated once per evaluation, steps of a fixed token count compiled."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from eagletrain.drafter import Eagle3Drafter
 
 
-def allow_one_graph_per_shape(shapes: int) -> None:
-    """torch.compile falls back to eager after 8 recompiles of one function by default; a
-    decoding loop compiles one graph per step shape."""
+def compiled_steps(step: Callable, compile: bool) -> Callable:
+    """`step` compiled for fixed shapes, one graph per step shape (CUDA graphs on a GPU:
+    mode "reduce-overhead"), or `step` itself. torch.compile falls back to eager after 8
+    recompiles of one function by default; a decoding loop needs one per step shape."""
+    if not compile:
+        return step
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), shapes))
+    setattr(config, name, max(getattr(config, name), 64))
+    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
 
 class StaticDraftCache:
@@ -33,13 +37,7 @@ class StaticDraftCache:
         torch._dynamo.mark_static_address(self.values)
         self.drafter, self.max_len, self.length, self.compiled = drafter, max_len, 0, compile
         self.buffer_index = torch.arange(max_len, device=weight.device)
-        if compile:
-            allow_one_graph_per_shape(64)
-        self._compiled = (
-            torch.compile(self._forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
-            if compile
-            else self._forward
-        )
+        self._compiled = compiled_steps(self._forward, compile)
 
     def __len__(self) -> int:
         return self.length

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, StaticCache
 
-from eagletrain.static_draft_cache import allow_one_graph_per_shape
+from eagletrain.static_draft_cache import compiled_steps
 from eagletrain.target import capture_layer_outputs
 
 
@@ -109,13 +109,7 @@ class StaticTarget:
         self.dtype = next(model.parameters()).dtype
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.cache_kw = _cache_argument(model)
-        if compile:
-            allow_one_graph_per_shape(64)
-        self.step = (
-            torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
-            if compile
-            else model.forward
-        )
+        self.step = compiled_steps(model.forward, compile)
 
     def session(self, aux_layer_ids: list[int] | None) -> StaticTargetSession:
         self.cache.reset()
