@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -184,12 +185,18 @@ def eagletrain(
     )
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def eagletrain_background(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """The CLI started as a shell starts a background job: with SIGINT ignored (inherited)."""
     return subprocess.Popen(
         [sys.executable, "-m", "eagletrain", *map(str, args)],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env=env,
+        preexec_fn=_ignore_sigint,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,9 @@ def _guarded(fn):
     """Expected failures become one line on stderr and a non-zero exit, never a traceback."""
 
     def wrapper(*args, **kwargs):
+        # SIGINT stops a stage cleanly (resumable, `status` says stopped) even when the
+        # launcher ignored it, as a shell does for a background job, which Python inherits
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return fn(*args, **kwargs)
         except EagletrainError as err:
