@@ -305,3 +305,26 @@ def test_status_is_unaffected_by_a_worker_whose_output_is_never_read(extracted, 
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_partition_workers_writing_the_dataset_metadata_together_never_fail(tmp_path):
+    """Every partition worker rewrites hidden/dataset.json at start; CI once saw one
+    worker's rename take the other's temporary file away."""
+    loop = (
+        "import sys; from pathlib import Path; from eagletrain.extract import _write_json\n"
+        "for i in range(400): _write_json(Path(sys.argv[1]), {'i': i})"
+    )
+    target = tmp_path / "dataset.json"
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", loop, str(target)],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(),
+        )
+        for _ in range(3)
+    ]
+    for w in writers:
+        assert w.wait(timeout=120) == 0, w.stderr.read()
+    assert json.loads(target.read_text()) == {"i": 399}
+    assert [p.name for p in tmp_path.iterdir()] == ["dataset.json"]

@@ -219,7 +219,7 @@ def resolve_aux_ids(run: Run, num_layers: int) -> list[int]:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # partition workers write it together
     tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
 
