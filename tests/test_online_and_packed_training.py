@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import eagletrain
+from conftest import eagletrain, status_json
 
 
 def _losses(run: Path) -> list[float]:
@@ -43,6 +43,10 @@ def test_online_training_equals_training_on_the_extracted_dataset(tiny_config, t
         .fetchone()[0]
     )
     assert detail["online_dataset"]["aux_layer_ids"] == [1, 3, 4]
+    stages = status_json(tmp_path / "online")
+    assert stages["extract"]["verdict"] == "skipped"
+    assert stages["train"]["verdict"] == "done"
+    assert status_json(tmp_path / "offline")["extract"]["verdict"] == "done"
 
 
 def test_packed_training_online_equals_offline(tiny_config, tmp_path):

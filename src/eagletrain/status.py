@@ -1,7 +1,9 @@
-"""`eagletrain status`: running / stalled / dead / done / failed / stopped, N of M, rate, ETA.
+"""`eagletrain status`: running / stalled / dead / done / failed / stopped / skipped, N of M,
+rate, ETA.
 
-Reads only the ledger (a handful of indexed queries), never the data directories, so it
-answers in milliseconds whether the run has a hundred items or a million.
+Reads only the ledger (a handful of indexed queries) and the run's config file, never the
+data directories, so it answers in milliseconds whether the run has a hundred items or a
+million.
 """
 
 from __future__ import annotations
@@ -9,12 +11,14 @@ from __future__ import annotations
 import os
 import socket
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eagletrain.errors import InputError
 from eagletrain.ledger import LEDGER_NAME, Ledger
+from eagletrain.rundir import CONFIG_NAME
 from eagletrain.stages import STAGES
 from eagletrain.worker import pid_alive
 
@@ -168,9 +172,24 @@ def run_status(run_dir: Path) -> list[StageStatus]:
     ledger = Ledger(run_dir)
     try:
         now = time.time()
-        return [stage_status(ledger, stage, now) for stage in STAGES]
+        stages = [stage_status(ledger, stage, now) for stage in STAGES]
     finally:
         ledger.close()
+    if _trains_online(run_dir):
+        for st in stages:
+            if st.stage == "extract" and st.verdict == "pending":
+                st.verdict = "skipped"
+                st.note = "train.online: the target runs inside the training job"
+    return stages
+
+
+def _trains_online(run_dir: Path) -> bool:
+    """Whether the run's config trains with the target inside the job (no extract stage)."""
+    try:
+        raw = tomllib.loads((run_dir / CONFIG_NAME).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    return bool(raw.get("train", {}).get("online", False))
 
 
 def _duration(seconds: float | None) -> str:
