@@ -4,6 +4,8 @@ decoding pattern, so training and serving see the same function."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import LlamaConfig
 
@@ -63,3 +65,21 @@ def test_draft_vocab_mapping_round_trips():
     assert torch.equal(drafter.target_ids(), ids)
     assert drafter.t2d.sum() == 20 and drafter.t2d[ids].all()
     assert torch.equal(drafter.d2t, ids - torch.arange(20))
+
+
+def test_drafter_norms_run_in_float32_under_bf16_autocast_without_the_slow_path():
+    drafter, embed = tiny_drafter()
+    drafter.float()
+    aux = torch.randn(1, 6, 3 * 32)
+    tokens = embed.float()(torch.randint(0, 50, (1, 6)))
+    reference = torch.nn.RMSNorm(32, eps=drafter.norm.eps)
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(drafter.norm(x), reference(x), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        # torch warns when a bf16 input meets a float32 norm weight (and skips its kernel)
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden, _ = drafter.step_ttt(drafter.fc(aux), tokens, torch.arange(6)[None], [])
+            normed = drafter.norm(x.bfloat16())
+    assert hidden.dtype == normed.dtype == torch.bfloat16
+    torch.testing.assert_close(normed.float(), reference(x), rtol=0.02, atol=0.02)

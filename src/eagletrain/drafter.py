@@ -273,15 +273,26 @@ class Eagle3MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Float32RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in float32 and returned in the input's dtype, as the target's own
+    Llama norm does. Under bf16 autocast the input is bf16 and the weight float32; torch's
+    fused kernel needs both alike (else it warns and takes its slow path)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64
+        weight = None if self.weight is None else self.weight.to(dtype)
+        return F.rms_norm(x.to(dtype), self.normalized_shape, weight, self.eps).to(x.dtype)
+
+
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
-        self.input_layernorm = nn.RMSNorm(h, eps=eps)
-        self.hidden_norm = nn.RMSNorm(h, eps=eps)
+        self.input_layernorm = Float32RMSNorm(h, eps=eps)
+        self.hidden_norm = Float32RMSNorm(h, eps=eps)
         self.self_attn = Eagle3Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
+        self.post_attention_layernorm = Float32RMSNorm(h, eps=eps)
         self.mlp = Eagle3MLP(cfg)
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, attend) -> torch.Tensor:
@@ -299,7 +310,7 @@ class Eagle3Drafter(nn.Module):
         h = cfg.hidden_size
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(cfg)
-        self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.norm = Float32RMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         # target id of draft id i is i + d2t[i]; t2d marks target ids present in the draft vocab
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
