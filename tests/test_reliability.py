@@ -260,6 +260,26 @@ def test_broken_json_line_is_an_error_naming_the_line_or_a_counted_skip(
     assert status_json(tmp_path / "run2")["data"]["skipped"] == 1
 
 
+def test_jsonl_lines_end_at_newline_only(tmp_path: Path):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+0085 and form feeds raw; they are
+    text inside a record, not line ends (the 16,000-record ShareGPT subset has them)."""
+    from eagletrain.conversations import read_records
+
+    texts = ["a\u2028b", "c\u0085d", "e\x0cf\u2029g"]
+    source = tmp_path / "in.jsonl"
+    lines = [
+        json.dumps(
+            {"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": t}]},
+            ensure_ascii=False,
+        )
+        for t in texts
+    ]
+    source.write_text("\r\n".join(lines) + "\n", encoding="utf-8", newline="")
+    records = list(read_records(str(source), "auto"))
+    assert [r.where for r in records] == ["in.jsonl:1", "in.jsonl:2", "in.jsonl:3"]
+    assert [r.messages[0]["content"] for r in records] == texts
+
+
 @pytest.mark.parametrize(("encoding", "ok"), [("utf-16", False), ("utf-8-sig", True)])
 def test_unusual_encodings(encoding, ok, tiny_target, prompts, tmp_path: Path):
     source = tmp_path / "in.jsonl"

@@ -133,7 +133,9 @@ def _parsed_objects(path: Path) -> Iterator[tuple[str, Any, str | None]]:
     if text.lstrip().startswith("["):
         yield from _array_objects(path, text)
         return
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # JSONL lines end at "\n" only: str.splitlines() would also split inside strings that
+    # hold U+2028, U+0085 and the like, which json.dumps(ensure_ascii=False) writes raw
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
