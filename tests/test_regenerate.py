@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import cli_env, eagletrain, eagletrain_background, write_conversations
 
 from eagletrain.config import RegenerateConfig
@@ -256,6 +257,42 @@ def test_local_regeneration_left_padded_batches_equal_one_by_one(tiny_target: Pa
     static_cfg = RegenerateConfig(max_tokens=10, batch_size=4, kv_cache="static")
     static = LocalGenerator(model, tokenizer, static_cfg).generate(chats)
     assert [s.text for s in static] == [b.text for b in batched]
+
+
+class OutOfMemoryAbove:
+    """The real model, except that `generate` on more than `rows` rows raises the error a
+    GPU raises when the batch does not fit (fault injection, not a fake result)."""
+
+    def __init__(self, model, rows: int):
+        self.model, self.rows, self.calls = model, rows, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def generate(self, input_ids, **kwargs):
+        self.calls.append(len(input_ids))
+        if len(input_ids) > self.rows:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.model.generate(input_ids=input_ids, **kwargs)
+
+
+def test_local_regeneration_splits_a_batch_that_runs_out_of_memory(tiny_target: Path):
+    from eagletrain.regen_local import LocalGenerator
+    from eagletrain.target import TargetSource, load_target, load_tokenizer
+
+    source = TargetSource(tiny_target, "tiny")
+    tokenizer, model = load_tokenizer(source), load_target(source, "float32", "cpu")
+    cfg = RegenerateConfig(max_tokens=8, batch_size=5)
+    chats = [[{"role": "user", "content": f"count to {n}"}] for n in range(5)]
+    whole = LocalGenerator(model, tokenizer, cfg).generate(chats)
+    limited = OutOfMemoryAbove(model, rows=2)
+    gen = LocalGenerator(limited, tokenizer, cfg)
+    split = gen.generate(chats)
+    assert [c.text for c in split] == [c.text for c in whole]
+    assert limited.calls == [5, 2, 3, 1, 2]  # 5 -> 2 + 3, and 3 -> 1 + 2
+    assert gen.memory_splits == 2
+    with pytest.raises(torch.OutOfMemoryError):  # one row that cannot fit is a real error
+        LocalGenerator(OutOfMemoryAbove(model, rows=0), tokenizer, cfg).generate(chats[:1])
 
 
 def test_local_regeneration_through_the_cli(tmp_path: Path, base_config: str):

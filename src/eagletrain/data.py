@@ -212,9 +212,10 @@ def _regenerate_and_tokenize(
         asyncio.run(main())
     finally:
         writer.flush()  # whatever finished is kept, even when the server made us stop
-        run.ledger.update_detail(
-            STAGE, regeneration={**run.ledger.regen_totals(), "requests": backend.requests}
-        )
+        totals = {**run.ledger.regen_totals(), "requests": backend.requests}
+        if getattr(backend, "memory_splits", 0):
+            totals["memory_splits"] = backend.memory_splits
+        run.ledger.update_detail(STAGE, regeneration=totals)
 
 
 def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:

@@ -23,6 +23,7 @@ class LocalGenerator:
         self.seed = seed
         self.requests = 0
         self.retries = 0  # local generation does not retry; kept for the same summary
+        self.memory_splits = 0  # batches halved because the device ran out of memory
         self._queue: asyncio.Queue[tuple[list[dict[str, str]], asyncio.Future]] = asyncio.Queue()
         self._worker: asyncio.Task | None = None
         self.pad_id = tokenizer.pad_token_id
@@ -62,8 +63,22 @@ class LocalGenerator:
             for (_, future), result in zip(batch, results, strict=True):
                 future.set_result(result)
 
-    @torch.inference_mode()
     def generate(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
+        """One completion per conversation; a batch the device cannot hold is halved (and
+        each half again) rather than failing, so a large batch_size costs speed, not the run."""
+        try:
+            return self._generate_batch(conversations)
+        except torch.OutOfMemoryError:
+            if len(conversations) == 1:
+                raise
+        self.memory_splits += 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        half = len(conversations) // 2
+        return self.generate(conversations[:half]) + self.generate(conversations[half:])
+
+    @torch.inference_mode()
+    def _generate_batch(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
         prompts = [
             self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
             for m in conversations
