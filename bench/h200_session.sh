@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # One H200 session of the device tool (../shared/reference/GPU.md), in back-to-back calls
 # while the machine stays warm (/tmp survives between them; 64 MiB travel per call):
-#   PHASE=setup   carry .carry/a (GGUF first half) and .carry/c (eval prompt files)
+#   PHASE=setup   carry .carry/a (GGUF first half), .carry/c (eval prompt files) and
+#                 .carry/d (ShareGPT JSONL.gz): 62.5 MB together
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
-#   PHASE=data    carry .carry/d (ShareGPT JSONL.gz) and, to continue an earlier session's
-#                 run, .carry/r (its rundata.tgz.* pieces): regenerate + tokenize
+#   PHASE=data    carry .carry/b and, to continue an earlier session's run, .carry/r (its
+#                 rundata.tgz.* pieces): regenerate + tokenize
 #                 (configs/smollm2-h200.toml) until DATA_S seconds, then bring the run's
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
 #                 them into .carry/r here for the next session: a run directory is
 #                 relocatable, tests/test_kill_resume.py)
 #   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
 #   PHASE=train   extract (what the data stage finished), train under torchrun, export
-#   PHASE=decode  bench/decode.py on ENGINES (default eager,compiled): datasets x
-#                 temperatures, chain 3 and tree, each speedup against plain decoding on
-#                 the same engine
+#   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval,
+#                 held-out at T=0, MT-bench at T=1, chain 3 and tree, each speedup against
+#                 plain decoding on the same engine; the JSON results come back as one tgz
 # Everything a phase measures lands in $OUT (logs, JSON), the run itself in /tmp/q.
 set -uo pipefail
 PHASE="${PHASE:?set PHASE}"
 mkdir -p /tmp/m /tmp/c
 if [ "$PHASE" = setup ]; then
-  cp .carry/a/gguf.part.aa /tmp/m/ && cp .carry/c/* /tmp/c/ && ls -la /tmp/m /tmp/c
+  cp .carry/a/gguf.part.aa /tmp/m/ && cp .carry/c/* .carry/d/* /tmp/c/ && ls -la /tmp/m /tmp/c
   exit $?
 fi
 M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -50,7 +51,7 @@ bench)
     --batches 8,16 --iters 3 2>&1 | grep -v -i "warn" | tee -a $OUT/train_bench.log
   for spec in "bfloat16 /tmp" "float8_e4m3fn /tmp" "bfloat16 /dev/shm"; do
     set -- $spec
-    timeout 95 python3 bench/extract.py --model "$M" --source /tmp/c/sharegpt_6000.jsonl.gz \
+    timeout 95 python3 bench/extract.py --model "$M" --source /tmp/c/$DATA_FILE \
       --dtype bfloat16 --store-dtype $1 --samples 1024 --max-length 1024 --batch-tokens 32768 \
       --out $2 --repeats 2 --writer-threads 8 2>&1 | grep -v -i "warn\|Loading\|━\|Convert\|Writing" \
       | tail -6 | tee -a $OUT/extract_bench.log
@@ -70,15 +71,21 @@ train)
   torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
   python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -4 | tee -a $OUT/train.log
   ledger_times train.log
-  cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json $OUT/ 2>/dev/null ;;
+  cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json $OUT/ 2>/dev/null
+  # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come back
+  tar -C /tmp/q -czf - export/sglang | split -b 15M - $OUT/export_sglang.tgz. ;;
 decode)
-  timeout "${DECODE_S:-330}" python3 bench/decode.py /tmp/q --model "$M" \
-    --engines "${ENGINES:-eager,compiled}" --datasets "/tmp/c/question.jsonl,/tmp/c/HumanEval.jsonl.gz,heldout" --temperatures 0 \
-    --prompts "${PROMPTS:-5}" --max-new 128 2>&1 | grep -v -i "warn\|━" | tee $OUT/decode.log
-  timeout "${DECODE_T1_S:-150}" python3 bench/decode.py /tmp/q --model "$M" \
-    --engines "${ENGINES:-eager,compiled}" --datasets /tmp/c/question.jsonl --temperatures 1 \
-    --prompts "${PROMPTS:-5}" --max-new 128 2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
-  for f in /tmp/q/eval/bench-*.json; do cp "$f" $OUT/; done ;;
+  # one process per engine and temperature, so a failure or time limit in one leaves the rest
+  ENGINES="${ENGINES:-compiled,eager}"
+  for engine in ${ENGINES//,/ }; do
+    timeout "${DECODE_S:-180}" python3 bench/decode.py /tmp/q --model "$M" --engines $engine \
+      --datasets "/tmp/c/question.jsonl,/tmp/c/HumanEval.jsonl.gz,heldout" --temperatures 0 \
+      --prompts "${PROMPTS:-3}" --max-new "${MAX_NEW:-128}" 2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
+    timeout "${DECODE_T1_S:-70}" python3 bench/decode.py /tmp/q --model "$M" --engines $engine \
+      --datasets /tmp/c/question.jsonl --temperatures 1 \
+      --prompts "${PROMPTS:-3}" --max-new "${MAX_NEW:-128}" 2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
+  done
+  tar -C /tmp/q/eval -czf $OUT/bench_json.tgz . ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
   timeout "${ENGINE_S:-240}" python3 bench/decode_engine.py --dtype bfloat16 --tokens 96 \
