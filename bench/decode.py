@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -28,6 +29,7 @@ from eagletrain.evaluate import (
     chat_prompts,
     evaluate_prompts,
     heldout_prompts,
+    static_engines,
     target_eos,
 )
 from eagletrain.export import SGLANG_DIR, load_exported
@@ -50,6 +52,18 @@ def add_row(table: Table, engine: str, name: str, temperature: float, r: dict) -
     # each row as soon as it is measured: a stopped run keeps what it did
     fields = " ".join(f"{k}={v}" for k, v in cells.items())
     print(f"row {engine} {name} T={temperature:g} prompts={r['prompts']} {fields}", flush=True)
+
+
+def progress_printer(label: str, total: int):
+    """Prints each finished prompt's time since the start (the first includes warm-up:
+    compilation and CUDA-graph capture), so a stopped run shows where its time went."""
+    began = time.perf_counter()
+
+    def on_prompt(n: int) -> None:
+        at = time.perf_counter() - began
+        print(f"  {label}: prompt {n}/{total} done at {at:.0f} s", flush=True)
+
+    return on_prompt
 
 
 def main() -> None:
@@ -91,20 +105,27 @@ def main() -> None:
         "tree speedup", "lookup tau", "plain tok/s",
     ):  # fmt: skip
         table.add_column(col, justify="right")
+    prompt_sets = {
+        dataset: heldout_prompts(run, args.prompts)
+        if dataset == "heldout"
+        else chat_prompts(tokenizer, dataset, args.prompts)
+        for dataset in args.datasets.split(",")
+    }
+    everything = [p for prompts in prompt_sets.values() for p in prompts]
     headline = None
     for engine in args.engines.split(","):
-        for dataset in args.datasets.split(","):
-            if dataset == "heldout":
-                prompts = heldout_prompts(run, args.prompts)
-            else:
-                prompts = chat_prompts(tokenizer, dataset, args.prompts)
+        # one static engine per kind, sized for every prompt: compiled and captured once
+        sizing = Decoding(args.max_new, args.chain, 0.0, 0, shape, engine)
+        engines = static_engines(model, drafter, everything, sizing)
+        for dataset, prompts in prompt_sets.items():
             name = Path(dataset).name.split(".")[0]
             for temperature in (float(t) for t in args.temperatures.split(",")):
                 settings = Decoding(args.max_new, args.chain, temperature, 0, shape, engine)
+                on_prompt = progress_printer(f"{engine} {name} T={temperature:g}", len(prompts))
                 r = {
                     "dataset": dataset,
                     "device": str(device),
-                    **evaluate_prompts(model, drafter, prompts, settings, eos),
+                    **evaluate_prompts(model, drafter, prompts, settings, eos, on_prompt, engines),
                 }
                 saved = run.dir / "eval" / f"bench-{engine}-{name}-T{temperature:g}.json"
                 saved.parent.mkdir(exist_ok=True)

@@ -2,7 +2,9 @@
 # One H200 session of the device tool (../shared/reference/GPU.md), in back-to-back calls
 # while the machine stays warm (/tmp survives between them; 64 MiB travel per call):
 #   PHASE=setup   carry .carry/a (GGUF first half), .carry/c (eval prompt files) and
-#                 .carry/d (ShareGPT JSONL.gz): 62.5 MB together
+#                 .carry/d (ShareGPT JSONL.gz): 62.5 MB together; on a fresh machine, also
+#                 (in another setup call when over 64 MiB) an earlier call's pieces:
+#                 .carry/r (rundata.tgz.*), .carry/e (export_sglang.tgz.*)
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
 #   PHASE=data    carry .carry/b and, to continue an earlier session's run, .carry/r (its
 #                 rundata.tgz.* pieces): regenerate + tokenize
@@ -10,18 +12,28 @@
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
 #                 them into .carry/r here for the next session: a run directory is
 #                 relocatable, tests/test_kill_resume.py)
+#   PHASE=regen   bench/regen_local.py: local regeneration tokens/s, batches in arrival order
+#                 against length-grouped, dynamic and static KV cache
 #   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
 #   PHASE=train   extract (what the data stage finished), train under torchrun, export
-#   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval,
-#                 held-out at T=0, MT-bench at T=1, chain 3 and tree, each speedup against
-#                 plain decoding on the same engine; the JSON results come back as one tgz
+#   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
+#                 and held-out at T=0 and 1, chain 3 and tree, each speedup against plain
+#                 decoding on the same engine; the JSON results come back as one tgz
 # Everything a phase measures lands in $OUT (logs, JSON), the run itself in /tmp/q.
 set -uo pipefail
 PHASE="${PHASE:?set PHASE}"
 mkdir -p /tmp/m /tmp/c
 if [ "$PHASE" = setup ]; then
-  cp .carry/a/gguf.part.aa /tmp/m/ && cp .carry/c/* .carry/d/* /tmp/c/ && ls -la /tmp/m /tmp/c
-  exit $?
+  # whatever is carried: the GGUF's first half, prompt files, ShareGPT, and (to continue on
+  # a fresh machine) an earlier call's run pieces: rundata.tgz.* and export_sglang.tgz.*
+  [ -d .carry/a ] && cp .carry/a/gguf.part.aa /tmp/m/
+  for d in c d; do [ -d .carry/$d ] && cp .carry/$d/* /tmp/c/; done
+  mkdir -p /tmp/q
+  for p in r/rundata e/export_sglang; do
+    if ls .carry/$p.tgz.* >/dev/null 2>&1; then cat .carry/$p.tgz.* | tar -C /tmp/q -xzf - || exit 1; fi
+  done
+  ls -la /tmp/m /tmp/c /tmp/q
+  exit 0
 fi
 M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f $M ] || cat /tmp/m/gguf.part.aa .carry/b/gguf.part.ab > $M
@@ -75,17 +87,21 @@ train)
   # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come back
   tar -C /tmp/q -czf - export/sglang | split -b 15M - $OUT/export_sglang.tgz. ;;
 decode)
-  # one process per engine and temperature, so a failure or time limit in one leaves the rest
+  # one process per engine (a failure or time limit in one leaves the rest); each builds
+  # its engine once for every dataset and temperature and saves each result as it is done
   ENGINES="${ENGINES:-compiled,eager}"
   for engine in ${ENGINES//,/ }; do
-    timeout "${DECODE_S:-180}" python3 bench/decode.py /tmp/q --model "$M" --engines $engine \
-      --datasets "/tmp/c/question.jsonl,/tmp/c/HumanEval.jsonl.gz,heldout" --temperatures 0 \
-      --prompts "${PROMPTS:-3}" --max-new "${MAX_NEW:-128}" 2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
-    timeout "${DECODE_T1_S:-70}" python3 bench/decode.py /tmp/q --model "$M" --engines $engine \
-      --datasets /tmp/c/question.jsonl --temperatures 1 \
-      --prompts "${PROMPTS:-3}" --max-new "${MAX_NEW:-128}" 2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
+    timeout "${DECODE_S:-240}" python3 bench/decode.py /tmp/q --model "$M" --engines $engine \
+      --datasets "${DATASETS:-/tmp/c/question.jsonl,/tmp/c/HumanEval.jsonl.gz,heldout}" \
+      --temperatures "${TEMPERATURES:-0,1}" --prompts "${PROMPTS:-3}" --max-new "${MAX_NEW:-128}" \
+      2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
   done
   tar -C /tmp/q/eval -czf $OUT/bench_json.tgz . ;;
+regen)
+  # local regeneration: arrival-order against length-grouped batches, dynamic / static cache
+  timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
+    --dtype bfloat16 --prompts "${REGEN_PROMPTS:-1024}" --batch 512 --max-tokens "${MAX_NEW:-128}" \
+    --kv-cache "${KV:-dynamic,static}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
   timeout "${ENGINE_S:-240}" python3 bench/decode_engine.py --dtype bfloat16 --tokens 96 \

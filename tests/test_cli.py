@@ -139,7 +139,7 @@ def test_eval_at_temperature_one_on_heldout_conversations(tiny_config: Path, tmp
     heldout = {
         row[0]
         for row in sqlite3.connect(run / "ledger.sqlite").execute(
-            "SELECT key FROM items WHERE stage='extract' AND split='heldout'"
+            "SELECT key FROM items WHERE stage='data' AND split='heldout'"
         )
     }
     assert heldout and {p["id"] for p in results["per_prompt"]} <= heldout

@@ -259,6 +259,45 @@ def test_local_regeneration_left_padded_batches_equal_one_by_one(tiny_target: Pa
     assert [s.text for s in static] == [b.text for b in batched]
 
 
+class PromptLengthRecorder:
+    """The real model; records the prompt lengths (unpadded) of every generate batch."""
+
+    def __init__(self, model):
+        self.model, self.batches = model, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        self.batches.append(sorted(attention_mask.sum(1).tolist()))
+        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def test_local_regeneration_batches_waiting_requests_by_length(tiny_target: Path):
+    """Every request waiting when the worker wakes is served, in batches of similar prompt
+    length (less left padding), and each caller gets its own answer."""
+    from eagletrain.regen_local import LocalGenerator
+    from eagletrain.target import TargetSource, load_target, load_tokenizer
+
+    source = TargetSource(tiny_target, "tiny")
+    tokenizer, model = load_tokenizer(source), load_target(source, "float32", "cpu")
+    texts = ["a " * 30, "b", "c " * 12, "d d", "e " * 40, "f " * 3, "g " * 25]
+    chats = [[{"role": "user", "content": t}] for t in texts]
+    recorder = PromptLengthRecorder(model)
+    cfg = RegenerateConfig(max_tokens=6, batch_size=3)
+
+    async def ask_all() -> list:
+        async with LocalGenerator(recorder, tokenizer, cfg) as gen:
+            return await asyncio.gather(*(gen.complete(c) for c in chats))
+
+    served = asyncio.run(ask_all())
+    single = LocalGenerator(model, tokenizer, cfg)
+    assert [c.text for c in served] == [single.generate([c])[0].text for c in chats]
+    assert [len(b) for b in recorder.batches] == [3, 3, 1]  # all seven, at most 3 a batch
+    # grouped: each batch's longest prompt is no longer than the next batch's shortest
+    assert all(a[-1] <= b[0] for a, b in zip(recorder.batches, recorder.batches[1:], strict=False))
+
+
 class OutOfMemoryAbove:
     """The real model, except that `generate` on more than `rows` rows raises the error a
     GPU raises when the batch does not fit (fault injection, not a fake result)."""

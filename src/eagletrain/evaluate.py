@@ -18,7 +18,7 @@ from eagletrain.drafter import Eagle3Drafter
 from eagletrain.embedded import embedded_file, is_embedded
 from eagletrain.errors import InputError, VerifyError
 from eagletrain.export import SGLANG_DIR, load_exported
-from eagletrain.hidden_dataset import HiddenSamples
+from eagletrain.extract import DataSamples
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run, require_previous
 from eagletrain.speculative import (
@@ -68,17 +68,18 @@ def load_prompts(dataset: str, limit: int) -> list[tuple[str, str]]:
 
 def heldout_prompts(run: Run, limit: int) -> list[tuple[str, list[int]]]:
     """(key, prompt ids) of held-out training conversations: each sample's tokens before
-    its first assistant (loss-masked) token, i.e. the history and the generation prompt."""
-    items = [i for i in run.ledger.items("extract", "done") if i.split == "heldout"]
-    if not items:
+    its first assistant (loss-masked) token, i.e. the history and the generation prompt.
+    Read from the data stage: decoding needs tokens only, not extracted hidden states."""
+    samples = DataSamples(run)
+    keys = [key for key, row in samples.rows.items() if row.split == "heldout"]
+    if not keys:
         raise InputError(f"{run.dir}: eval.dataset = 'heldout' but the run has no held-out split")
-    data = HiddenSamples(run.dir / "hidden", items[:limit])
     prompts = []
-    for i, item in enumerate(items[:limit]):
-        ids, mask = data.tensor(i, "input_ids"), data.tensor(i, "loss_mask").bool()
+    for key in keys[:limit]:
+        ids, mask = samples.get(key)
         first = int(mask.nonzero()[0]) if mask.any() else len(ids)
         if first > 0:
-            prompts.append((item.key, ids[:first].tolist()))
+            prompts.append((key, ids[:first].tolist()))
     return prompts
 
 
@@ -164,10 +165,13 @@ def evaluate_prompts(
     settings: Decoding,
     eos: set[int],
     on_prompt: Any = None,
+    engines: tuple[StaticTarget | None, StaticDraftCache | None] | None = None,
 ) -> dict[str, Any]:
     """Plain decoding, EAGLE chain, EAGLE dynamic tree and prompt lookup on every prompt;
-    greedy outputs must equal plain greedy decoding (up to numerical near-ties)."""
-    engine, draft_cache = static_engines(model, drafter, prompts, settings)
+    greedy outputs must equal plain greedy decoding (up to numerical near-ties). `engines`:
+    static engines made by `static_engines` for several evaluations (compiled graphs are
+    then built once), else made here for these prompts."""
+    engine, draft_cache = engines or static_engines(model, drafter, prompts, settings)
     eagle = EagleProposer(drafter, model.get_input_embeddings(), draft_cache)
     names = ["eagle", "prompt-lookup", *(["tree"] if settings.tree else [])]
     accepted: dict[str, list[int]] = {n: [] for n in names}

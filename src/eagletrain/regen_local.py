@@ -8,12 +8,25 @@ multi-turn driver in regenerate.py does not know which one it talks to.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from eagletrain.config import RegenerateConfig
 from eagletrain.regen_client import Completion
+
+T = TypeVar("T")
+
+
+def length_grouped(
+    requests: list[T], batch_size: int, messages: Callable[[T], list[dict[str, str]]]
+) -> list[list[T]]:
+    """Batches of at most `batch_size` requests of similar length (characters of their
+    messages, a proxy for tokens): a left-padded batch runs at its longest prompt's width,
+    so grouping by length keeps the padding, and the prefill and cache it costs, small."""
+    ordered = sorted(requests, key=lambda r: sum(len(m.get("content") or "") for m in messages(r)))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
 class LocalGenerator:
@@ -50,18 +63,19 @@ class LocalGenerator:
 
     async def _serve(self) -> None:
         while True:
-            batch = [await self._queue.get()]
+            waiting = [await self._queue.get()]
             await asyncio.sleep(0)  # let the other conversations enqueue their turn
-            while len(batch) < self.cfg.batch_size and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            try:
-                results = await asyncio.to_thread(self.generate, [m for m, _ in batch])
-            except Exception as err:  # hand the error to every waiting conversation
-                for _, future in batch:
-                    future.set_exception(err)
-                continue
-            for (_, future), result in zip(batch, results, strict=True):
-                future.set_result(result)
+            while not self._queue.empty():
+                waiting.append(self._queue.get_nowait())
+            for batch in length_grouped(waiting, self.cfg.batch_size, lambda w: w[0]):
+                try:
+                    results = await asyncio.to_thread(self.generate, [m for m, _ in batch])
+                except Exception as err:  # hand the error to every waiting conversation
+                    for _, future in batch:
+                        future.set_exception(err)
+                    continue
+                for (_, future), result in zip(batch, results, strict=True):
+                    future.set_result(result)
 
     def generate(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
         """One completion per conversation; a batch the device cannot hold is halved (and

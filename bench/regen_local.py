@@ -1,0 +1,112 @@
+"""Local regeneration throughput (the data stage's in-process backend, regen_local.py):
+completion tokens/s of `LocalGenerator.generate` over ShareGPT first turns, batches taken
+in arrival order (as before length grouping) against batches grouped by length (what the
+stage now does), with transformers' dynamic and static KV caches.
+
+    .venv/bin/python bench/regen_local.py [--prompts 1024] [--batch 512] [--max-tokens 256]
+        [--kv-cache dynamic,static] [--model smollm2|PATH] [--source sharegpt|PATH]
+        [--dtype float32] [--device auto]
+
+Prompts longer than --max-length tokens are left out (the stage skips them too). Each
+configuration runs one untimed batch first (first-call setup, compilation). Prints a
+table, then `regen_grouped_ratio=<x>`: grouped over arrival-order tokens/s, dynamic cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from eagletrain.config import RegenerateConfig, TargetConfig
+from eagletrain.conversations import read_records
+from eagletrain.regen_local import LocalGenerator, length_grouped
+from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
+
+
+def prompt_tokens(tokenizer, chat: list[dict]) -> int:
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def first_turns(source: str, tokenizer, count: int, max_length: int) -> list[list[dict]]:
+    prompts = []
+    for record in read_records(source, "auto", "skip"):
+        if not record.messages or record.messages[0]["role"] != "user":
+            continue
+        chat = [{"role": "user", "content": record.messages[0]["content"]}]
+        if prompt_tokens(tokenizer, chat) <= max_length:
+            prompts.append(chat)
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def padded_share(tokenizer, batches: list[list[list[dict]]]) -> float:
+    """Padding positions over all prompt positions, as the left-padded batches hold them."""
+    real = padded = 0
+    for batch in batches:
+        lengths = [prompt_tokens(tokenizer, c) for c in batch]
+        real += sum(lengths)
+        padded += max(lengths) * len(lengths)
+    return 1 - real / padded
+
+
+def run(generator: LocalGenerator, batches: list[list[list[dict]]], device) -> tuple[int, float]:
+    generator.generate(batches[0][:8])  # untimed: first-call setup, compilation
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    made = sum(c.completion_tokens for b in batches for c in generator.generate(b))
+    return made, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--kv-cache", default="dynamic,static")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--source", default="sharegpt")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+
+    device = pick_device(args.device)
+    source = resolve_target(TargetConfig(model=args.model))
+    model = load_target(source, args.dtype, device)
+    tokenizer = load_tokenizer(source)
+    prompts = first_turns(args.source, tokenizer, args.prompts, args.max_length)
+    orders = {
+        "arrival": [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)],
+        "grouped": length_grouped(prompts, args.batch, lambda c: c),
+    }
+    table = Table(
+        title=f"local regeneration, {len(prompts)} ShareGPT first turns, batch {args.batch}, "
+        f"{args.max_tokens} new tokens at most, {args.dtype} on {device}"
+    )
+    for col in ("kv cache", "batches", "padding share", "completion tokens", "s", "tok/s"):
+        table.add_column(col, justify="right")
+    rates: dict[tuple[str, str], float] = {}
+    for kv_cache in args.kv_cache.split(","):
+        cfg = RegenerateConfig(max_tokens=args.max_tokens, batch_size=args.batch, kv_cache=kv_cache)
+        generator = LocalGenerator(model, tokenizer, cfg)
+        for order, batches in orders.items():
+            made, seconds = run(generator, batches, device)
+            rates[kv_cache, order] = made / seconds
+            share = f"{padded_share(tokenizer, batches):.2f}"
+            cells = [str(len(batches)), share, str(made), f"{seconds:.1f}", f"{made / seconds:.0f}"]
+            table.add_row(f"{kv_cache}, {order}", *cells)
+            print(f"row {kv_cache} {order} tok_s={made / seconds:.0f}", flush=True)
+    Console(width=140).print(table)
+    first = args.kv_cache.split(",")[0]
+    print(f"regen_grouped_ratio={rates[first, 'grouped'] / rates[first, 'arrival']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
