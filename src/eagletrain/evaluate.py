@@ -273,7 +273,8 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
     source = resolve_target(cfg.target)
     tokenizer = load_tokenizer(source)
     model = load_target(source, cfg.target.dtype, device)
-    drafter = load_exported(run.dir / "export" / SGLANG_DIR).to(device, model.dtype).eval()
+    drafter = load_exported(run.dir / "export" / SGLANG_DIR)
+    drafter = drafter.to(device, model.dtype).eval().requires_grad_(False)
     eos = target_eos(model, tokenizer)
     if ec.dataset == "heldout":
         prompts = heldout_prompts(run, ec.num_prompts)

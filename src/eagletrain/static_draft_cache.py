@@ -19,7 +19,16 @@ def compiled_steps(step: Callable, compile: bool) -> Callable:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))
-    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+    def graph_step(*args: object, **kwargs: object):
+        # Each call is a new step: CUDA-graph trees may then reuse the previous call's
+        # output memory (callers copy what they keep) instead of leaving the fast path
+        # (seen on the H200: "Unable to hit fast path of CUDAGraphs").
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return graph_step
 
 
 class StaticDraftCache:
@@ -79,11 +88,13 @@ class StaticDraftCache:
         self.length += n
         return out
 
+    @torch.inference_mode()
     def warm_up(self, sizes: Iterable[int], masked: Iterable[int]) -> None:
         """Compile and capture every step shape ahead of any timing: causal steps of each
         size in `sizes` (new tokens after a verification, drafts) and tree-masked steps of
         each size in `masked`. Three rounds, as CUDA graphs are recorded on a later call
-        than the first. The cache is left empty."""
+        than the first. Under inference mode, as decoding runs: graphs recorded with autograd
+        on would wait for a backward that never comes. The cache is left empty."""
         weight = self.drafter.fc.weight
         h = self.drafter.config.hidden_size
 
