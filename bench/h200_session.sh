@@ -13,7 +13,8 @@
 #                 them into .carry/r here for the next session: a run directory is
 #                 relocatable, tests/test_kill_resume.py)
 #   PHASE=regen   bench/regen_local.py: local regeneration tokens/s, batches in arrival order
-#                 against length-grouped, dynamic and static KV cache
+#                 against length-grouped, dynamic and static KV cache; PROFILE=N first
+#                 profiles one batch of N new tokens (the top operators)
 #   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
 #   PHASE=train   extract (what the data stage finished), train under torchrun, export
 #   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
@@ -101,7 +102,7 @@ regen)
   # local regeneration: arrival-order against length-grouped batches, dynamic / static cache
   timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
     --dtype bfloat16 --prompts "${REGEN_PROMPTS:-1024}" --batch 512 --max-tokens "${MAX_NEW:-128}" \
-    --kv-cache "${KV:-dynamic,static}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
+    --kv-cache "${KV:-dynamic,static}" --profile "${PROFILE:-0}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
   timeout "${ENGINE_S:-240}" python3 bench/decode_engine.py --dtype bfloat16 --tokens 96 \

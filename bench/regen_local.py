@@ -5,11 +5,13 @@ stage now does), with transformers' dynamic and static KV caches.
 
     .venv/bin/python bench/regen_local.py [--prompts 1024] [--batch 512] [--max-tokens 256]
         [--kv-cache dynamic,static] [--model smollm2|PATH] [--source sharegpt|PATH]
-        [--dtype float32] [--device auto]
+        [--dtype float32] [--device auto] [--profile 16]
 
 Prompts longer than --max-length tokens are left out (the stage skips them too). Each
 configuration runs one untimed batch first (first-call setup, compilation). Prints a
 table, then `regen_grouped_ratio=<x>`: grouped over arrival-order tokens/s, dynamic cache.
+With `--profile N`, one grouped batch of N new tokens per row runs under torch.profiler
+first and the operators that took the most time are printed (where a step's time goes).
 """
 
 from __future__ import annotations
@@ -64,6 +66,25 @@ def run(generator: LocalGenerator, batches: list[list[list[dict]]], device) -> t
     return made, time.perf_counter() - start
 
 
+def profile(generator: LocalGenerator, batch: list[list[dict]], device, tokens: int) -> None:
+    generator.cfg = generator.cfg.model_copy(update={"max_tokens": tokens})
+    generator.generate(batch[:8])  # untimed first call
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        generator.generate(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    print(f"profile: {len(batch)} rows x {tokens} new tokens in {seconds:.2f} s", flush=True)
+    ops = prof.key_averages()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(ops.table(sort_by=key, row_limit=18, max_name_column_width=60))
+    print(ops.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=1024)
@@ -75,6 +96,7 @@ def main() -> None:
     parser.add_argument("--source", default="sharegpt")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--profile", type=int, default=0, help="new tokens of a profiled batch")
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -86,6 +108,9 @@ def main() -> None:
         "arrival": [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)],
         "grouped": length_grouped(prompts, args.batch, lambda c: c),
     }
+    if args.profile:
+        cfg = RegenerateConfig(max_tokens=args.profile, batch_size=args.batch)
+        profile(LocalGenerator(model, tokenizer, cfg), orders["grouped"][0], device, args.profile)
     table = Table(
         title=f"local regeneration, {len(prompts)} ShareGPT first turns, batch {args.batch}, "
         f"{args.max_tokens} new tokens at most, {args.dtype} on {device}"
