@@ -1,10 +1,12 @@
 """torchrun with 2 CPU processes (gloo) trains the same drafter as 1 process with the same
 global batch, under DDP and under FSDP (fully_shard): each rank takes its share of every
 global batch, losses are normalised by the global mask sums, gradients are averaged (DDP)
-or reduce-scattered (FSDP). FSDP's exact-resume checkpoints survive a kill -9."""
+or reduce-scattered (FSDP). FSDP's exact-resume checkpoints survive a kill -9 of torchrun,
+whose ranks die with it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +22,39 @@ from safetensors.torch import load_file
 from test_kill_resume import _wait_for
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (children first found, then theirs)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen, also: list[int]) -> None:
+    """SIGKILL torchrun, its ranks and `also` (cleanup, should a check above fail)."""
+    for pid in [proc.pid, *_descendants(proc.pid), *also]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in "ZX"  # dead, waiting to be reaped
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -95,11 +130,18 @@ def test_fsdp_kill_and_resume_reaches_the_same_losses(tiny_config: Path, tmp_pat
         env=cli_env(OMP_NUM_THREADS="1", EAGLETRAIN_FAULT_DELAY="train:0.4"),
         start_new_session=True,
     )
+    ranks: list[int] = []
     try:
         _wait_for(lambda: status_json(killed)["train"]["done"] >= 5, timeout=240)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+        ranks = _descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)  # torchrun only: its ranks must die with it
         proc.wait()
+        # gone, mid-run: nothing of the killed run writes beside the resumed one
+        _wait_for(lambda: all(_gone(pid) for pid in ranks), timeout=30)
+    finally:
+        _kill_tree(proc, ranks)
+    assert len(ranks) == 2, ranks
+    assert status_json(killed)["train"]["verdict"] != "done"
     resumed = subprocess.run(torchrun(killed, 29535), capture_output=True, text=True, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want = {r["step"]: r["loss"] for r in _metrics(straight) if "eval" not in r}

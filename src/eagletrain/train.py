@@ -223,17 +223,21 @@ def make_batch(
 
 def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     ledger, cfg = run.ledger, run.config
-    if ledger.completion(STAGE) is not None:
-        return None
     tc = cfg.train
-    # online: the target runs in this job on the data stage's samples, no extracted dataset
-    require_previous(run, STAGE, allow_partial, "data" if tc.online else None)
-    meta = None if tc.online else read_dataset_metadata(run.dir)
-    if meta is not None:
-        check_dataset(run, meta)
-    torch.manual_seed(cfg.run.seed)
     parallel = init_parallel(pick_device(tc.device))
+    device = parallel.device(pick_device(tc.device))  # this rank's own
     try:
+        # ranks decide together: one that alone saw the stage complete (another job finished
+        # it meanwhile) would return and leave the others waiting in a collective
+        complete = torch.tensor([float(ledger.completion(STAGE) is not None)], device=device)
+        if parallel.sum(complete).item() > 0:
+            return None
+        # online: the target runs in this job on the data stage's samples, no extracted dataset
+        require_previous(run, STAGE, allow_partial, "data" if tc.online else None)
+        meta = None if tc.online else read_dataset_metadata(run.dir)
+        if meta is not None:
+            check_dataset(run, meta)
+        torch.manual_seed(cfg.run.seed)
         return _train(run, meta, parallel, allow_partial)
     finally:
         parallel.close()
