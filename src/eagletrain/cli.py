@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from eagletrain.errors import EagletrainError, InputError, VerifyError
+from eagletrain.launcher import die_with_launcher
 from eagletrain.stages import STAGES
 
 app = typer.Typer(
@@ -71,6 +72,7 @@ def _guarded(fn):
         # SIGINT stops a stage cleanly (resumable, `status` says stopped) even when the
         # launcher ignored it, as a shell does for a background job, which Python inherits
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        die_with_launcher()  # under torchrun: no rank outlives a killed torchrun
         try:
             return fn(*args, **kwargs)
         except EagletrainError as err:

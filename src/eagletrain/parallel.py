@@ -6,14 +6,13 @@ single process and every helper is a no-op.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from eagletrain.launcher import die_with_launcher
 
 
 @dataclass(frozen=True)
@@ -49,17 +48,6 @@ class Parallel:
     def close(self) -> None:
         if self.active and dist.is_initialized():
             dist.destroy_process_group()
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_launcher() -> None:
-    """Under torchrun, SIGKILL this rank when its launcher dies. torchrun starts each rank in
-    a session of its own, so `kill -9` of torchrun (or of its process group) would leave the
-    ranks training on, writing checkpoints beside whatever the operator starts next."""
-    if sys.platform == "linux" and "TORCHELASTIC_RUN_ID" in os.environ:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def init_parallel(device: torch.device) -> Parallel:
