@@ -84,3 +84,34 @@ def test_thinking_and_plain_variants_have_different_template_hashes(tiny_target)
     plain = tokenizer_with(tiny_target, "llama3.jinja", [])
     thinking = tokenizer_with(tiny_target, "kimi_thinking.jinja", [])
     assert template_hash(plain) != template_hash(thinking)
+
+
+def test_regenerated_reply_keeps_the_ids_the_target_generated(tiny_target):
+    """A reply carrying `token_ids` keeps them, even where re-tokenizing its text gives
+    other ids (as SmolLM2's one "\\n\\n" token comes back as "\\n", "\\n"); the mask and the
+    text stay the template's. Ids that do not decode to the reply are ignored."""
+    tokenizer = tokenizer_with(tiny_target, None, [])
+    content = MESSAGES[1]["content"]
+    canonical = tokenizer(content, add_special_tokens=False)["input_ids"]
+    # the same text in other ids: the first multi-character token spelled out by characters
+    at = next(i for i, t in enumerate(canonical) if len(tokenizer.decode([t])) > 1)
+    chars = [
+        tokenizer.convert_tokens_to_ids(c) for c in tokenizer.convert_ids_to_tokens(canonical[at])
+    ]
+    generated = canonical[:at] + chars + canonical[at + 1 :]
+    assert generated != canonical and tokenizer.decode(generated) == content
+    messages = [dict(m) for m in MESSAGES]
+    messages[1]["token_ids"] = generated
+
+    spliced = tokenize_conversation(tokenizer, messages)
+    ids, mask = spliced.input_ids.tolist(), spliced.loss_mask.tolist()
+    start = next(i for i in range(len(ids)) if ids[i : i + len(generated)] == generated)
+    assert all(mask[start : start + len(generated)])
+    plain = tokenize_conversation(tokenizer, MESSAGES)
+    assert ids[:start] == plain.input_ids.tolist()[:start]  # the prompt as before
+    masked = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert masked == "two plus two is 4.<|im_end|>\nthree plus two is 5.<|im_end|>\n"
+
+    messages[1]["token_ids"] = generated[:-1]  # not this reply's ids: re-tokenized as before
+    fallback = tokenize_conversation(tokenizer, messages)
+    assert fallback.input_ids.tolist() == plain.input_ids.tolist()

@@ -359,6 +359,19 @@ def test_local_regeneration_through_the_cli(tmp_path: Path, base_config: str):
     detail = json.loads(ledger_rows(run, "SELECT detail FROM stages WHERE stage='data'")[0][0])
     assert detail["regenerated_by"].startswith("local:")
     assert detail["regeneration"]["requests"] > 0
+    # each stored sample holds, in its loss mask, the very ids the target generated
+    from eagletrain.extract import DataSamples
+    from eagletrain.rundir import reopen_run
+
+    samples = DataSamples(reopen_run(run))
+    for key, messages in ledger_rows(run, "SELECT key, messages FROM regenerated"):
+        if key not in samples.rows:
+            continue  # skipped at tokenization (e.g. over max_length)
+        ids, mask = (t.tolist() for t in samples.get(key))
+        masked = [t for t, m in zip(ids, mask, strict=True) if m]
+        for turn in (m for m in json.loads(messages) if m["role"] == "assistant"):
+            generated = turn["token_ids"]
+            assert any(masked[i : i + len(generated)] == generated for i in range(len(masked)))
 
 
 def test_refused_key_stops_the_stage_with_one_line_and_keeps_nothing_secret(

@@ -4,6 +4,10 @@ A template that marks its assistant output with `{% generation %}` gets the toke
 assistant mask. Otherwise the mask comes from character spans of the rendered assistant
 turns: the text each assistant message adds to the rendered prefix (so the turn's
 end-of-turn tokens are learned too), mapped to tokens through the fast tokenizer's offsets.
+There, a regenerated reply carrying `token_ids` (the ids the target generated) keeps those
+ids instead of a re-tokenization of its text, which can differ (SmolLM2 emits one "\n\n"
+token before "1." where re-tokenizing gives "\n", "\n"): the drafter learns the tokens the
+target really emits.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ class TokenizedSample:
 
 
 def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> str:
+    plain = [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
+        plain, tokenize=False, add_generation_prompt=generation_prompt
     )
 
 
@@ -72,8 +77,9 @@ def has_generation_tags(tokenizer: Any) -> bool:
 
 
 def _template_masked(tokenizer: Any, messages: list[Message]) -> TokenizedSample:
+    plain = [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
     enc = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        plain, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     ids = torch.tensor(enc["input_ids"], dtype=torch.int32)
     mask = torch.tensor(enc["assistant_masks"], dtype=torch.uint8)
@@ -86,15 +92,43 @@ def tokenize_conversation(tokenizer: Any, messages: list[Message]) -> TokenizedS
     return _offset_masked(tokenizer, messages)
 
 
+def _generated_pieces(
+    tokenizer: Any, messages: list[Message], text: str, spans: list[tuple[int, int]]
+) -> list[tuple[int, int, list[int]]]:
+    """(start, end, ids): the character range of each assistant reply that carries the ids
+    the target generated for it, when those ids decode to exactly that reply."""
+    pieces = []
+    turns = [m for m in messages if m["role"] == "assistant"]
+    for message, (start, end) in zip(turns, spans, strict=True):
+        ids, content = message.get("token_ids"), message["content"]
+        if not ids or tokenizer.decode(ids, skip_special_tokens=True) != content:
+            continue
+        at = text.find(content, start, end)
+        if at >= 0:
+            pieces.append((at, at + len(content), list(ids)))
+    return pieces
+
+
 def _offset_masked(tokenizer: Any, messages: list[Message]) -> TokenizedSample:
+    """The rendered text tokenized piece by piece: a regenerated reply that carries the
+    target's own ids keeps them (what the target emits when served), the rest is
+    tokenized as the template renders it; the mask comes from the assistant spans."""
     text, spans = assistant_spans(tokenizer, messages)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor(enc["input_ids"], dtype=torch.int32)
-    mask = torch.zeros(len(ids), dtype=torch.uint8)
-    span_idx = 0
-    for j, (s, e) in enumerate(enc["offset_mapping"]):
-        while span_idx < len(spans) and spans[span_idx][1] <= s:
-            span_idx += 1
-        if span_idx < len(spans) and s < spans[span_idx][1] and e > spans[span_idx][0]:
-            mask[j] = 1
-    return TokenizedSample(ids, mask)
+    pieces = _generated_pieces(tokenizer, messages, text, spans)
+    ids: list[int] = []
+    mask: list[int] = []
+    cursor = 0
+    for start, end, generated in [*pieces, (len(text), len(text), [])]:
+        enc = tokenizer(text[cursor:start], add_special_tokens=False, return_offsets_mapping=True)
+        ids += enc["input_ids"]
+        mask += [_in_spans(cursor + s, cursor + e, spans) for s, e in enc["offset_mapping"]]
+        ids += generated
+        mask += [1] * len(generated)
+        cursor = end
+    return TokenizedSample(
+        torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.uint8)
+    )
+
+
+def _in_spans(start: int, end: int, spans: list[tuple[int, int]]) -> int:
+    return int(any(start < e and end > s for s, e in spans))

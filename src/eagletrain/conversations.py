@@ -18,7 +18,7 @@ from typing import Any
 from eagletrain.embedded import embedded_file, is_embedded
 from eagletrain.errors import InputError
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content; regenerated assistant turns may carry token_ids
 
 _ROLES = {
     "human": "user",

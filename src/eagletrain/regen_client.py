@@ -48,6 +48,9 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost: float = 0.0
+    # the ids the target generated (without its stop token), where the backend has them:
+    # re-tokenizing the text can differ (e.g. one "\n\n" token becomes "\n", "\n")
+    token_ids: list[int] | None = None
 
 
 def parse_completion(body: dict[str, Any]) -> Completion:

@@ -134,6 +134,7 @@ class LocalGenerator:
                     finish_reason="stop" if ended is not None else "length",
                     prompt_tokens=len(e),
                     completion_tokens=len(kept) + (ended is not None),
+                    token_ids=kept,
                 )
             )
         return results

@@ -76,6 +76,8 @@ async def regenerate_conversation(
         turn: Message = {"role": "assistant", "content": reply.text}
         if reply.reasoning:
             turn["reasoning_content"] = reply.reasoning
+        elif reply.token_ids is not None:
+            turn["token_ids"] = reply.token_ids  # tokenization uses the target's own ids
         out.messages.append(turn)
         out.finish_reasons.append(reply.finish_reason)
         out.prompt_tokens += reply.prompt_tokens
