@@ -11,8 +11,11 @@ and unroll the drafter as training does. In exact arithmetic the unroll's count 
 correct steps at a cycle's first position equals the tokens that cycle accepted (same
 features, tokens, rope positions and attention pattern), so `agreement` measures train /
 serve skew; the per-token figures show how much harder cycle starts (positions right
-after a rejection) are than the average position the trainer reports. Prints a table, then
-`cycle_agreement=<x>` (cycles whose accepted count matched) last.
+after a rejection) are than the average position the trainer reports. For held-out
+prompts, the same unroll over the stored reply (the training data, as long as the served
+output) shows what the trainer measured on the same conversation; `multi-newline` counts
+served tokens such as SmolLM2's one-token "\n\n", which re-tokenized text never holds.
+Prints a table, then `cycle_agreement=<x>` (cycles whose accepted count matched) last.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from rich.table import Table
 
 from eagletrain.evaluate import chat_prompts, heldout_prompts, target_eos
 from eagletrain.export import SGLANG_DIR, load_exported
+from eagletrain.extract import DataSamples
 from eagletrain.rundir import reopen_run
 from eagletrain.speculative import EagleProposer, speculative_greedy
 from eagletrain.target import (
@@ -57,6 +61,23 @@ def unrolled_accepts(model, drafter, head, ids: list[int], first_scored: int, k:
             scored, p, argmax_in_vocab, k, step_weights(k, 0.8),
         )  # fmt: skip
     return result.accepted[0].tolist()
+
+
+def multi_newline(tokenizer, token: int) -> bool:
+    text = tokenizer.decode([token])
+    return not text.strip() and text.count("\n") >= 2
+
+
+def stored_reply_acc(run, key: str, prompt: list[int], length: int, model, drafter, head):
+    """Step-0 accuracy of the unroll over the stored reply's first `length` tokens (the
+    training data for this conversation), scored as `every` is for the served output."""
+    samples = DataSamples(run)
+    if key not in samples.rows:
+        return float("nan")
+    ids = samples.get(key)[0].tolist()[: len(prompt) + length]
+    accepts = unrolled_accepts(model, drafter, head, ids, len(prompt) + 1, 1)
+    every = [accepts[i] >= 1 for i in range(len(prompt) - 1, len(ids) - 2)]
+    return sum(every) / max(len(every), 1)
 
 
 def main() -> None:
@@ -97,6 +118,7 @@ def main() -> None:
     for col in (
         "prompt", "cycles", "agreement", "served tau", "unrolled tau at cycle starts",
         "step-0 acc at cycle starts", "step-0 acc, every position",
+        "step-0 acc, stored reply", "multi-newline tokens",
     ):  # fmt: skip
         table.add_column(col, justify="right")
     agree = total = 0
@@ -116,6 +138,8 @@ def main() -> None:
             start += a + 1
         # every output position's step-0 prediction (index i predicts token i + 2)
         every = [accepts[i] >= 1 for i in range(len(prompt) - 1, len(prompt) + len(out) - 2)]
+        stored = f"{stored_reply_acc(run, key, prompt, len(out), model, drafter, head):.3f}"
+        newlines = sum(multi_newline(tokenizer, t) for t in out)
         matched = sum(s == u for s, u in zip(served, unrolled, strict=True))
         agree, total = agree + matched, total + len(served)
         n = max(len(served), 1)
@@ -123,6 +147,7 @@ def main() -> None:
             key[:12], str(len(served)), f"{matched / n:.2f}",
             f"{1 + sum(served) / n:.3f}", f"{1 + sum(unrolled) / n:.3f}",
             f"{sum(u >= 1 for u in unrolled) / n:.3f}", f"{sum(every) / max(len(every), 1):.3f}",
+            stored if args.dataset == "heldout" else "-", str(newlines),
         )  # fmt: skip
         print(f"row {key} cycles={len(served)} matched={matched}", flush=True)
     Console(width=160).print(table)
