@@ -112,6 +112,8 @@ def test_regenerated_reply_keeps_the_ids_the_target_generated(tiny_target):
     masked = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
     assert masked == "two plus two is 4.<|im_end|>\nthree plus two is 5.<|im_end|>\n"
 
-    messages[1]["token_ids"] = generated[:-1]  # not this reply's ids: re-tokenized as before
-    fallback = tokenize_conversation(tokenizer, messages)
-    assert fallback.input_ids.tolist() == plain.input_ids.tolist()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for other in (generated[:-1], [*generated, eos]):  # not exactly this reply: as before
+        messages[1]["token_ids"] = other
+        fallback = tokenize_conversation(tokenizer, messages)
+        assert fallback.input_ids.tolist() == plain.input_ids.tolist()

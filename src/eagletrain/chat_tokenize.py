@@ -96,12 +96,13 @@ def _generated_pieces(
     tokenizer: Any, messages: list[Message], text: str, spans: list[tuple[int, int]]
 ) -> list[tuple[int, int, list[int]]]:
     """(start, end, ids): the character range of each assistant reply that carries the ids
-    the target generated for it, when those ids decode to exactly that reply."""
+    the target generated for it, when those ids decode to exactly that reply (special
+    tokens included: a stop token among them would repeat the template's own)."""
     pieces = []
     turns = [m for m in messages if m["role"] == "assistant"]
     for message, (start, end) in zip(turns, spans, strict=True):
         ids, content = message.get("token_ids"), message["content"]
-        if not ids or tokenizer.decode(ids, skip_special_tokens=True) != content:
+        if not ids or tokenizer.decode(ids, skip_special_tokens=False) != content:
             continue
         at = text.find(content, start, end)
         if at >= 0:
