@@ -27,18 +27,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eagletrain.evaluate import chat_prompts, heldout_prompts, target_eos
-from eagletrain.export import SGLANG_DIR, load_exported
+from eagletrain.evaluate import dataset_prompts, load_for_decoding
 from eagletrain.extract import DataSamples
 from eagletrain.rundir import reopen_run
 from eagletrain.speculative import EagleProposer, speculative_greedy
-from eagletrain.target import (
-    load_target,
-    load_tokenizer,
-    pick_device,
-    resolve_target,
-    target_features,
-)
+from eagletrain.target import target_features
 from eagletrain.ttt import TargetHead, step_weights, ttt_forward
 
 
@@ -68,10 +61,11 @@ def multi_newline(tokenizer, token: int) -> bool:
     return not text.strip() and text.count("\n") >= 2
 
 
-def stored_reply_acc(run, key: str, prompt: list[int], length: int, model, drafter, head):
+def stored_reply_acc(
+    samples: DataSamples, key: str, prompt: list[int], length: int, model, drafter, head
+) -> float:
     """Step-0 accuracy of the unroll over the stored reply's first `length` tokens (the
     training data for this conversation), scored as `every` is for the served output."""
-    samples = DataSamples(run)
     if key not in samples.rows:
         return float("nan")
     ids = samples.get(key)[0].tolist()[: len(prompt) + length]
@@ -93,23 +87,14 @@ def main() -> None:
     args = parser.parse_args()
 
     run = reopen_run(args.run_dir)
-    target_cfg = run.config.target
-    if args.model:
-        target_cfg = target_cfg.model_copy(update={"model": args.model})
-    source = resolve_target(target_cfg)
-    device = pick_device(args.device)
-    model = load_target(source, args.dtype, device).eval()
-    tokenizer = load_tokenizer(source)
-    drafter = load_exported(run.dir / "export" / SGLANG_DIR)
-    drafter = drafter.to(device, model.dtype).eval().requires_grad_(False)
+    parts = load_for_decoding(run, args.dtype, args.device, args.model)
+    model, tokenizer, drafter, device = parts.model, parts.tokenizer, parts.drafter, parts.device
     head = TargetHead(
         model.model.norm.weight.detach(), model.config.rms_norm_eps, model.lm_head.weight.detach()
     )
-    eos, k = target_eos(model, tokenizer), args.chain
-    if args.dataset == "heldout":
-        prompts = heldout_prompts(run, args.prompts)
-    else:
-        prompts = chat_prompts(tokenizer, args.dataset, args.prompts)
+    eos, k = parts.eos, args.chain
+    prompts = dataset_prompts(run, tokenizer, args.dataset, args.prompts)
+    stored = DataSamples(run)
 
     table = Table(
         title=f"served chain {k} against the TTT unroll at the same positions, "
@@ -138,7 +123,7 @@ def main() -> None:
             start += a + 1
         # every output position's step-0 prediction (index i predicts token i + 2)
         every = [accepts[i] >= 1 for i in range(len(prompt) - 1, len(prompt) + len(out) - 2)]
-        stored = f"{stored_reply_acc(run, key, prompt, len(out), model, drafter, head):.3f}"
+        stored_acc = stored_reply_acc(stored, key, prompt, len(out), model, drafter, head)
         newlines = sum(multi_newline(tokenizer, t) for t in out)
         matched = sum(s == u for s, u in zip(served, unrolled, strict=True))
         agree, total = agree + matched, total + len(served)
@@ -147,7 +132,7 @@ def main() -> None:
             key[:12], str(len(served)), f"{matched / n:.2f}",
             f"{1 + sum(served) / n:.3f}", f"{1 + sum(unrolled) / n:.3f}",
             f"{sum(u >= 1 for u in unrolled) / n:.3f}", f"{sum(every) / max(len(every), 1):.3f}",
-            stored if args.dataset == "heldout" else "-", str(newlines),
+            f"{stored_acc:.3f}" if args.dataset == "heldout" else "-", str(newlines),
         )  # fmt: skip
         print(f"row {key} cycles={len(served)} matched={matched}", flush=True)
     Console(width=160).print(table)

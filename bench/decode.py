@@ -26,15 +26,12 @@ from rich.table import Table
 
 from eagletrain.evaluate import (
     Decoding,
-    chat_prompts,
+    dataset_prompts,
     evaluate_prompts,
-    heldout_prompts,
+    load_for_decoding,
     static_engines,
-    target_eos,
 )
-from eagletrain.export import SGLANG_DIR, load_exported
 from eagletrain.rundir import reopen_run
-from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
 from eagletrain.tree import TreeShape
 
 
@@ -82,16 +79,8 @@ def main() -> None:
     args = parser.parse_args()
 
     run = reopen_run(args.run_dir)
-    target_cfg = run.config.target
-    if args.model:
-        target_cfg = target_cfg.model_copy(update={"model": args.model})
-    source = resolve_target(target_cfg)
-    device = pick_device(args.device)
-    model = load_target(source, args.dtype or target_cfg.dtype, device)
-    tokenizer = load_tokenizer(source)
-    drafter = load_exported(run.dir / "export" / SGLANG_DIR)
-    drafter = drafter.to(device, model.dtype).eval().requires_grad_(False)
-    eos = target_eos(model, tokenizer)
+    parts = load_for_decoding(run, args.dtype, args.device, args.model)
+    model, drafter, device, eos = parts.model, parts.drafter, parts.device, parts.eos
     total, depth, topk = (int(x) for x in args.tree.split(","))
     shape = TreeShape(total, depth, topk)
 
@@ -107,9 +96,7 @@ def main() -> None:
     ):  # fmt: skip
         table.add_column(col, justify="right")
     prompt_sets = {
-        dataset: heldout_prompts(run, args.prompts)
-        if dataset == "heldout"
-        else chat_prompts(tokenizer, dataset, args.prompts)
+        dataset: dataset_prompts(run, parts.tokenizer, dataset, args.prompts)
         for dataset in args.datasets.split(",")
     }
     everything = [p for prompts in prompt_sets.values() for p in prompts]

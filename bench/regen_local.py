@@ -117,6 +117,7 @@ def main() -> None:
     )
     for col in ("kv cache", "batches", "padding share", "completion tokens", "s", "tok/s"):
         table.add_column(col, justify="right")
+    shares = {order: f"{padded_share(tokenizer, batches):.2f}" for order, batches in orders.items()}
     rates: dict[tuple[str, str], float] = {}
     for kv_cache in args.kv_cache.split(","):
         cfg = RegenerateConfig(max_tokens=args.max_tokens, batch_size=args.batch, kv_cache=kv_cache)
@@ -124,8 +125,8 @@ def main() -> None:
         for order, batches in orders.items():
             made, seconds = run(generator, batches, device)
             rates[kv_cache, order] = made / seconds
-            share = f"{padded_share(tokenizer, batches):.2f}"
-            cells = [str(len(batches)), share, str(made), f"{seconds:.1f}", f"{made / seconds:.0f}"]
+            cells = [str(len(batches)), shares[order], str(made), f"{seconds:.1f}"]
+            cells.append(f"{made / seconds:.0f}")
             table.add_row(f"{kv_cache}, {order}", *cells)
             print(f"row {kv_cache} {order} tok_s={made / seconds:.0f}", flush=True)
     Console(width=140).print(table)

@@ -27,10 +27,14 @@ class TokenizedSample:
     loss_mask: torch.Tensor  # uint8 [T], 1 on assistant tokens
 
 
+def _for_template(messages: list[Message]) -> list[Message]:
+    """The messages without the generated ids, which are ours, not the template's."""
+    return [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
+
+
 def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> str:
-    plain = [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
     return tokenizer.apply_chat_template(
-        plain, tokenize=False, add_generation_prompt=generation_prompt
+        _for_template(messages), tokenize=False, add_generation_prompt=generation_prompt
     )
 
 
@@ -77,9 +81,8 @@ def has_generation_tags(tokenizer: Any) -> bool:
 
 
 def _template_masked(tokenizer: Any, messages: list[Message]) -> TokenizedSample:
-    plain = [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
     enc = tokenizer.apply_chat_template(
-        plain, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        _for_template(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     ids = torch.tensor(enc["input_ids"], dtype=torch.int32)
     mask = torch.tensor(enc["assistant_masks"], dtype=torch.uint8)

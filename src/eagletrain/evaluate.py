@@ -262,6 +262,43 @@ def evaluate_prompts(
     return results
 
 
+@dataclass
+class DecodingParts:
+    """A run's target and exported drafter, loaded for decoding on one device."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    drafter: Eagle3Drafter
+    device: torch.device
+    eos: set[int]
+
+
+def load_for_decoding(
+    run: Run, dtype: str | None = None, device: str = "auto", model: str | None = None
+) -> DecodingParts:
+    """The run's target (or `model` instead) in `dtype` (default the run's) and the drafter
+    its export directory holds, frozen, in the target's dtype."""
+    target_cfg = run.config.target
+    if model:
+        target_cfg = target_cfg.model_copy(update={"model": model})
+    source = resolve_target(target_cfg)
+    where = pick_device(device)
+    target = load_target(source, dtype or target_cfg.dtype, where).eval()
+    tokenizer = load_tokenizer(source)
+    drafter = load_exported(run.dir / "export" / SGLANG_DIR)
+    drafter = drafter.to(where, target.dtype).eval().requires_grad_(False)
+    return DecodingParts(target, tokenizer, drafter, where, target_eos(target, tokenizer))
+
+
+def dataset_prompts(
+    run: Run, tokenizer: Any, dataset: str, limit: int
+) -> list[tuple[str, list[int]]]:
+    """Prompt ids of "heldout" (the run's held-out conversations) or a prompt dataset."""
+    if dataset == "heldout":
+        return heldout_prompts(run, limit)
+    return chat_prompts(tokenizer, dataset, limit)
+
+
 def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
     ledger, cfg = run.ledger, run.config
     done = ledger.completion(STAGE)
@@ -269,17 +306,9 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
         return done["detail"]
     require_previous(run, STAGE, allow_partial)
     ec = cfg.eval
-    device = pick_device(ec.device)
-    source = resolve_target(cfg.target)
-    tokenizer = load_tokenizer(source)
-    model = load_target(source, cfg.target.dtype, device)
-    drafter = load_exported(run.dir / "export" / SGLANG_DIR)
-    drafter = drafter.to(device, model.dtype).eval().requires_grad_(False)
-    eos = target_eos(model, tokenizer)
-    if ec.dataset == "heldout":
-        prompts = heldout_prompts(run, ec.num_prompts)
-    else:
-        prompts = chat_prompts(tokenizer, ec.dataset, ec.num_prompts)
+    parts = load_for_decoding(run, cfg.target.dtype, ec.device)
+    model, drafter, device, eos = parts.model, parts.drafter, parts.device, parts.eos
+    prompts = dataset_prompts(run, parts.tokenizer, ec.dataset, ec.num_prompts)
     settings = Decoding(
         ec.max_new_tokens,
         ec.draft_steps,

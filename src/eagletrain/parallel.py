@@ -12,8 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from eagletrain.launcher import die_with_launcher
-
 
 @dataclass(frozen=True)
 class Parallel:
@@ -52,7 +50,6 @@ class Parallel:
 
 def init_parallel(device: torch.device) -> Parallel:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    die_with_launcher()
     if world == 1:
         return Parallel()
     if not dist.is_initialized():

@@ -238,7 +238,7 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
         if meta is not None:
             check_dataset(run, meta)
         torch.manual_seed(cfg.run.seed)
-        return _train(run, meta, parallel, allow_partial)
+        return _train(run, meta, parallel, device, allow_partial)
     finally:
         parallel.close()
 
@@ -256,10 +256,13 @@ def online_dataset(run: Run, device: torch.device) -> tuple[Any, dict[str, Any],
 
 
 def _train(
-    run: Run, meta: dict[str, Any] | None, parallel: Parallel, allow_partial: bool
+    run: Run,
+    meta: dict[str, Any] | None,
+    parallel: Parallel,
+    device: torch.device,
+    allow_partial: bool,
 ) -> dict[str, Any] | None:
     ledger, cfg, tc = run.ledger, run.config, run.config.train
-    device = parallel.device(pick_device(tc.device))
     if tc.batch_size % parallel.world:
         raise ConfigError(
             f"train.batch_size {tc.batch_size} (the global batch) is not divisible by the "
