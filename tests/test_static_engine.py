@@ -37,12 +37,25 @@ def _tree_recorder(seen: list):
     return drafting
 
 
-def _same_decoding(model, engine: StaticTarget, prompt_list: list[list[int]]) -> int:
+def _drafters(model, engine: StaticTarget) -> tuple[EagleProposer, StaticDraftCache]:
+    """A random drafter (its proposer on a growing cache) and its static cache, warmed up as
+    `static_engines` does for this file's chain 3 and SHAPE: one per evaluation."""
+    eager_eagle = random_eagle(model)
+    draft_cache = StaticDraftCache(eager_eagle.drafter, 160, compile=engine.compiled)
+    draft_cache.warm_up(range(1, SHAPE.depth + 2), [SHAPE.topk])
+    return eager_eagle, draft_cache
+
+
+def _same_decoding(
+    model,
+    engine: StaticTarget,
+    prompt_list: list[list[int]],
+    drafters: tuple[EagleProposer, StaticDraftCache] | None = None,
+) -> int:
     """Decode every prompt on both engines (the drafter's cache static too) and compare the
     outputs, the drafts of every cycle and the drafted trees; return the drafts accepted (so a
     caller can check that the cache surgery after acceptance ran)."""
-    eager_eagle = random_eagle(model)
-    draft_cache = StaticDraftCache(eager_eagle.drafter, 160, compile=engine.compiled)
+    eager_eagle, draft_cache = drafters or _drafters(model, engine)
     static_eagle = EagleProposer(eager_eagle.drafter, eager_eagle.embed, draft_cache)
     accepted = 0
     for i, prompt in enumerate(prompt_list):
@@ -57,6 +70,9 @@ def _same_decoding(model, engine: StaticTarget, prompt_list: list[list[int]]) ->
                 model, eagle, prompt, 30, SHAPE, set(), drafting=drafting, engine=attach
             )
             drafts.append(seen)
+        # the static run drafted on the static cache itself (an empty cache once read as
+        # false, and every "static" run drafted on a growing one)
+        assert static_eagle.cache is draft_cache
         assert runs[0].tokens == runs[1].tokens == plain.tokens
         assert drafts[0] == drafts[1]
         for attach in (None, engine):
@@ -109,10 +125,11 @@ def test_compiled_static_engine_decodes_as_the_eager_engine(target):  # noqa: F8
     torch._dynamo.reset()
     engine = StaticTarget(target, max_len=128, compile=True)
     first, second = prompts(2)
-    assert _same_decoding(target, engine, [first]) > 0
+    drafters = _drafters(target, engine)
+    assert _same_decoding(target, engine, [first], drafters) > 0
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 3  # plain, chain and tree steps at least
-    assert _same_decoding(target, engine, [second]) > 0
+    assert _same_decoding(target, engine, [second], drafters) > 0
     assert counters["stats"]["unique_graphs"] == graphs  # the next prompt compiled nothing
 
 

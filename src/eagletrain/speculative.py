@@ -87,7 +87,7 @@ class EagleProposer:
         self.real, self.last_hidden = first + len(next_tokens), out[:, -1:]
 
     def start(self, prompt: list[int], first: int, features: torch.Tensor | None) -> None:
-        self.cache = self.static_cache.reset() if self.static_cache else DraftKVCache()
+        self.cache = self.static_cache.reset() if self.static_cache is not None else DraftKVCache()
         self._extend(features, [*prompt[1:], first])
 
     def propose(self, k: int) -> list[int]:

@@ -84,6 +84,9 @@ class StaticDraftCache:
             allowed = torch.zeros(n, self.max_len, dtype=torch.bool, device=device)
             allowed[:, : mask.shape[1]] = mask
         forward = self._compiled if self.length else self._forward  # prefill runs eager
+        # graphs are specialised to strides too: a slice of an earlier output (its last
+        # row) would compile one graph per width of that output
+        hidden, embeds = (x.clone(memory_format=torch.contiguous_format) for x in (hidden, embeds))
         out = forward(hidden, embeds, positions, slots, allowed).clone()
         self.length += n
         return out
