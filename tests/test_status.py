@@ -69,7 +69,7 @@ def test_sigint_reads_stopped_not_failed_and_a_rerun_finishes(tiny_config: Path,
     proc.wait(timeout=60)
     extract = status_json(run)["extract"]
     assert extract["verdict"] == "stopped", extract
-    assert extract["note"] == "stopped by SIGINT; rerun the stage to resume"
+    assert extract["note"] == "stopped by a signal; rerun the stage to resume"
     assert 0 < extract["done"] < extract["total"]
     assert eagletrain("extract", tiny_config, "--run-dir", run).returncode == 0
     assert status_json(run)["extract"]["verdict"] == "done"

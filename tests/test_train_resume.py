@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 from conftest import cli_env, eagletrain, eagletrain_background, status_json
 from test_kill_resume import _wait_for
 
@@ -55,6 +56,43 @@ def test_kill_during_training_resumes_to_the_same_loss_curve(tiny_config: Path, 
     assert [s for s, _ in evals[0]] == [s for s, _ in evals[1]]
     for (_, want), (_, have) in zip(*evals, strict=True):
         assert abs(want - have) <= 1e-6
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_training_after_the_step_in_flight(
+    tiny_config: Path, tmp_path: Path, sig: signal.Signals
+):
+    """No periodic checkpoint falls before the signal, so resuming from where it stopped (not
+    from step 0) proves the stop saved the step in flight; the curve is then unchanged."""
+    overrides = ["--set", "train.checkpoint_every=0", "--set", "train.epochs=3"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for run in (straight, stopped):
+        _prepare(tiny_config, run)
+    assert eagletrain("train", tiny_config, "--run-dir", straight, *overrides).returncode == 0
+
+    env = cli_env(EAGLETRAIN_FAULT_DELAY="train:0.3")
+    log = tmp_path / "t.log"
+    proc = eagletrain_background(
+        "train", tiny_config, "--run-dir", stopped, *overrides, env=env, log=log
+    )
+    try:
+        _wait_for(lambda: status_json(stopped)["train"]["done"] >= 4)
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=60) == 130, log.read_text()
+    finally:
+        proc.kill()
+    train = status_json(stopped)["train"]
+    assert train["verdict"] == "stopped", train
+    saved = sorted(p.name for p in (stopped / "train").glob("resume-*"))
+    assert saved == [f"resume-{train['done']:08d}"], saved
+    assert len(_losses(stopped)) == train["done"]
+
+    resumed = eagletrain("train", tiny_config, "--run-dir", stopped, *overrides, env=cli_env())
+    assert resumed.returncode == 0, resumed.stderr
+    expected, got = _losses(straight), _losses(stopped)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():
+        assert abs(got[step] - loss) <= 1e-6 * max(1.0, abs(loss)), (step, got[step], loss)
 
 
 def _evaluations(run: Path) -> list[tuple[int, float]]:

@@ -44,6 +44,7 @@ from eagletrain.sharding import (
     grad_norm_value,
     is_sharded,
 )
+from eagletrain.stop_request import StopRequest
 from eagletrain.target import (
     load_target,
     load_tokenizer,
@@ -400,6 +401,7 @@ def _train(
         if parallel.main
         else contextlib.nullcontext() as worker,
         stage_progress(disable=not parallel.main) as bar,
+        StopRequest() as stop,
     ):
         task = bar.add_task("train", total=total_steps, completed=step, unit="steps")
         start = time.time()
@@ -424,12 +426,20 @@ def _train(
                 scheduler.step()
                 step += 1
                 # global figures: losses and accuracies are shares of the global batch
+                # the last entry: ranks asked to stop (a signal), so all stop at this step
                 shares = torch.tensor(
-                    [r.loss.item(), *r.step_loss, *r.step_acc, int(batch.loss_mask.sum())],
+                    [
+                        r.loss.item(),
+                        *r.step_loss,
+                        *r.step_acc,
+                        int(batch.loss_mask.sum()),
+                        float(stop.requested),
+                    ],
                     dtype=torch.float64,
                     device=device,
                 )
                 shares = parallel.sum(shares).tolist()
+                stopping = shares.pop() > 0
                 k = tc.ttt_steps
                 if parallel.active:  # per-rank losses were scaled by the world size
                     shares[0] /= parallel.world
@@ -453,7 +463,8 @@ def _train(
                     if parallel.main or sharded:
                         evaluate_and_keep_best(epoch)
                     parallel.barrier()
-                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
+                periodic = tc.checkpoint_every and step % tc.checkpoint_every == 0
+                if (periodic or stopping) and step < total_steps:
                     if parallel.main or sharded:
                         states = full_model_state(drafter), full_optimizer_state(drafter, optimizer)
                     if parallel.main:
@@ -467,6 +478,9 @@ def _train(
                     ledger.set_units_done(STAGE, step)
                     worker.progressed()
                 bar.advance(task)
+                if stopping and step < total_steps:
+                    log.close()
+                    raise KeyboardInterrupt  # the CLI: "interrupted; rerun ... to resume"
                 inject_delay("train")
         log.close()
         if best is None and (parallel.main or sharded):

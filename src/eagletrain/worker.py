@@ -152,8 +152,8 @@ class WorkerSession:
             self._thread.join()
         if exc_type is None:
             state, error = "exited", None
-        elif issubclass(exc_type, KeyboardInterrupt):  # SIGINT: an operator's or a timeout's
-            state, error = "stopped", "stopped by SIGINT; rerun the stage to resume"
+        elif issubclass(exc_type, KeyboardInterrupt):  # SIGINT, or SIGTERM in training
+            state, error = "stopped", "stopped by a signal; rerun the stage to resume"
         else:
             state, error = "failed", f"{type(exc).__name__}: {exc}"[:500]
         self.sample_now()
