@@ -43,6 +43,12 @@ def test_online_training_equals_training_on_the_extracted_dataset(tiny_config, t
         .fetchone()[0]
     )
     assert detail["online_dataset"]["aux_layer_ids"] == [1, 3, 4]
+    # `eagletrain extract` on an online run writes nothing (a script may call every stage)
+    result = eagletrain(
+        "extract", tiny_config, "--run-dir", tmp_path / "online", "--set", "train.online=true"
+    )
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "online" / "hidden").exists()
     stages = status_json(tmp_path / "online")
     assert stages["extract"]["verdict"] == "skipped"
     assert stages["train"]["verdict"] == "done"

@@ -18,7 +18,10 @@ def stage_runners(
 ) -> dict[str, Callable[[Run], Any]]:
     return {
         "data": lambda run: run_data(run, partition),
-        "extract": lambda run: run_extract(run, partition, allow_partial, repair),
+        # train.online: the target runs inside the training job, nothing to extract
+        "extract": lambda run: (
+            None if run.config.train.online else run_extract(run, partition, allow_partial, repair)
+        ),
         "train": lambda run: run_train(run, allow_partial),
         "export": lambda run: run_export(run, allow_partial),
         "eval": lambda run: run_eval(run, allow_partial),
