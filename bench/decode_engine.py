@@ -5,13 +5,16 @@ fixed-shape steps, CUDA graphs on a GPU), all in the same run.
 
     .venv/bin/python bench/decode_engine.py [--layers 30] [--width 576] [--vocab 49152]
         [--engines eager,static,compiled] [--tokens 64] [--chain 3] [--tree 32,6,8]
-        [--dtype float32] [--device auto]
+        [--dtype float32] [--device auto] [--profile chain]
 
 Random weights of the given shape (defaults: SmolLM2-135M's 30 layers, width 576, vocab
 49152) and a random drafter: acceptance is near zero, so every cycle does the same work and
 its time is what decoding overhead costs. A narrow --width isolates per-operation overhead
 (what bounds batch-1 decoding of a small model on a GPU). Prints a table, then
 `compiled_plain_speedup=<x>` last: eager plain-step time over compiled plain-step time.
+With `--profile chain|tree|plain`, that method's decode on each engine then runs once
+under torch.profiler: the operators and runtime calls per cycle (graph replays, kernel
+launches, host syncs), to show where a cycle's time goes between the compiled graphs.
 """
 
 from __future__ import annotations
@@ -43,6 +46,29 @@ def per_cycle_ms(decode, cycles_of, repeats: int = 3) -> float:
     return 1000 * best
 
 
+def profile_cycles(decode, cycles_of, device: torch.device) -> None:
+    """One decode under torch.profiler: the top operators and runtime calls, per cycle."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        cycles = cycles_of(decode())
+    events = prof.key_averages()
+    per_cycle = Table(title=f"per cycle, over {cycles} cycles (profiled, so slower)")
+    for col in ("operator / runtime call", "calls", "self CPU ms", "self device ms"):
+        per_cycle.add_column(col, justify="right")
+    ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    for e in ranked:
+        device_us = getattr(e, "self_device_time_total", 0) or 0
+        per_cycle.add_row(
+            e.key[:60],
+            f"{e.count / cycles:.1f}",
+            f"{e.self_cpu_time_total / 1000 / cycles:.3f}",
+            f"{device_us / 1000 / cycles:.3f}",
+        )
+    Console(width=140).print(per_cycle)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=30)
@@ -54,6 +80,7 @@ def main() -> None:
     parser.add_argument("--tree", default="32,6,8", help="total tokens, depth, top-k")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--profile", default="", help="plain, chain or tree: profile it")
     args = parser.parse_args()
 
     device, dtype = pick_device(args.device), getattr(torch, args.dtype)
@@ -108,6 +135,14 @@ def main() -> None:
                     (lambda r: len(r.tokens)) if method == "plain" else
                     (lambda r: len(r.accepted_per_cycle)),
                 )  # fmt: skip
+            if args.profile:
+                counts = (
+                    (lambda r: len(r.tokens))
+                    if args.profile == "plain"
+                    else (lambda r: len(r.accepted_per_cycle))
+                )
+                print(f"profile: {args.profile} on the {name} engine", flush=True)
+                profile_cycles(methods[args.profile], counts, device)
         plain_ms[name] = ms["plain"]
         table.add_row(name, *(f"{ms[m]:.2f}" for m in methods), f"{ms['chain'] / ms['plain']:.2f}")
         print(

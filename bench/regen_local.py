@@ -5,23 +5,28 @@ stage now does), with transformers' dynamic and static KV caches.
 
     .venv/bin/python bench/regen_local.py [--prompts 1024] [--batch 512] [--max-tokens 256]
         [--kv-cache dynamic,static] [--model smollm2|PATH] [--source sharegpt|PATH]
-        [--dtype float32] [--device auto] [--profile 16]
+        [--dtype float32] [--device auto] [--profile 16] [--attention all,no-cudnn]
 
 Prompts longer than --max-length tokens are left out (the stage skips them too). Each
 configuration runs one untimed batch first (first-call setup, compilation). Prints a
 table, then `regen_grouped_ratio=<x>`: grouped over arrival-order tokens/s, dynamic cache.
 With `--profile N`, one grouped batch of N new tokens per row runs under torch.profiler
 first and the operators that took the most time are printed (where a step's time goes).
+`--attention all,no-cudnn` repeats each configuration with PyTorch's SDPA backends all
+allowed and with cuDNN's left out (on the H200, cuDNN's SDPA built an execution plan for
+each new key length, i.e. at every decoding step: 6.5 ms of CPU a call in the profile).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eagletrain.config import RegenerateConfig, TargetConfig
 from eagletrain.conversations import read_records
@@ -85,6 +90,16 @@ def profile(generator: LocalGenerator, batch: list[list[dict]], device, tokens: 
     print(ops.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
+def attention_backends(name: str):
+    """`all`: PyTorch picks among every SDPA backend; `no-cudnn`: every one but cuDNN's."""
+    if name == "all":
+        return contextlib.nullcontext()
+    if name == "no-cudnn":
+        allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        return sdpa_kernel(allowed)
+    raise SystemExit(f"--attention: unknown {name!r} (all, no-cudnn)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=1024)
@@ -97,6 +112,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--profile", type=int, default=0, help="new tokens of a profiled batch")
+    parser.add_argument("--attention", default="all", help="all,no-cudnn: SDPA backends")
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -115,23 +131,32 @@ def main() -> None:
         title=f"local regeneration, {len(prompts)} ShareGPT first turns, batch {args.batch}, "
         f"{args.max_tokens} new tokens at most, {args.dtype} on {device}"
     )
-    for col in ("kv cache", "batches", "padding share", "completion tokens", "s", "tok/s"):
+    for col in ("kv cache, attention, order", "batches", "padding share", "tokens", "s", "tok/s"):
         table.add_column(col, justify="right")
     shares = {order: f"{padded_share(tokenizer, batches):.2f}" for order, batches in orders.items()}
-    rates: dict[tuple[str, str], float] = {}
+    rates: dict[tuple[str, str, str], float] = {}
     for kv_cache in args.kv_cache.split(","):
         cfg = RegenerateConfig(max_tokens=args.max_tokens, batch_size=args.batch, kv_cache=kv_cache)
         generator = LocalGenerator(model, tokenizer, cfg)
-        for order, batches in orders.items():
-            made, seconds = run(generator, batches, device)
-            rates[kv_cache, order] = made / seconds
-            cells = [str(len(batches)), shares[order], str(made), f"{seconds:.1f}"]
-            cells.append(f"{made / seconds:.0f}")
-            table.add_row(f"{kv_cache}, {order}", *cells)
-            print(f"row {kv_cache} {order} tok_s={made / seconds:.0f}", flush=True)
+        for backends in args.attention.split(","):
+            for order, batches in orders.items():
+                with attention_backends(backends):
+                    made, seconds = run(generator, batches, device)
+                rates[kv_cache, backends, order] = made / seconds
+                cells = [str(len(batches)), shares[order], str(made), f"{seconds:.1f}"]
+                cells.append(f"{made / seconds:.0f}")
+                table.add_row(f"{kv_cache}, {backends}, {order}", *cells)
+                print(f"row {kv_cache} {backends} {order} tok_s={made / seconds:.0f}", flush=True)
     Console(width=140).print(table)
-    first = args.kv_cache.split(",")[0]
-    print(f"regen_grouped_ratio={rates[first, 'grouped'] / rates[first, 'arrival']:.2f}")
+    first, backends = args.kv_cache.split(",")[0], args.attention.split(",")
+    if len(backends) > 1:
+        # arrival order is each backend set's first pass over these batches: cuDNN meets
+        # every shape fresh, as the data stage does with each new batch
+        ratio = rates[first, backends[1], "arrival"] / rates[first, backends[0], "arrival"]
+        print(f"regen_{backends[1]}_ratio={ratio:.2f}".replace("-", "_"))
+    else:
+        b = backends[0]
+        print(f"regen_grouped_ratio={rates[first, b, 'grouped'] / rates[first, b, 'arrival']:.2f}")
 
 
 if __name__ == "__main__":
