@@ -14,9 +14,13 @@
 #                 relocatable, tests/test_kill_resume.py)
 #   PHASE=regen   bench/regen_local.py: local regeneration tokens/s, batches in arrival order
 #                 against length-grouped, dynamic and static KV cache; PROFILE=N first
-#                 profiles one batch of N new tokens (the top operators)
-#   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
-#   PHASE=train   extract (what the data stage finished), train under torchrun, export
+#                 profiles one batch of N new tokens (the top operators); ATTENTION=
+#                 all,no-cudnn compares SDPA with and without cuDNN's backend
+#   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine;
+#                 ENGINE_PROFILE=chain profiles a chain decode on each engine
+#   PHASE=train   extract (skipped with train.online), train under torchrun until TRAIN_S
+#                 seconds (the next call resumes), export once training is complete;
+#                 ALLOW_PARTIAL=1 to go on with what an unfinished data stage holds
 #   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
 #                 and held-out at T=0 and 1, chain 3 and tree, each speedup against plain
 #                 decoding on the same engine; the JSON results come back as one tgz
@@ -80,8 +84,10 @@ data)
   ledger_times data.log
   tar -C /tmp/q -czf - config.toml ledger.sqlite data | split -b 15M - $OUT/rundata.tgz. ;;
 train)
-  python3 -m eagletrain extract $CFG --run-dir /tmp/q "${SETS[@]}" --allow-partial 2>&1 | grep -v "━" | tail -5 | tee $OUT/train.log
-  torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
+  # extract (skipped by the stage itself when train.online), then train until TRAIN_S
+  # seconds: a stop saves the step in flight and the next call resumes; export when done
+  python3 -m eagletrain extract $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -5 | tee $OUT/train.log
+  timeout -s INT "${TRAIN_S:-540}" torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
   python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -4 | tee -a $OUT/train.log
   ledger_times train.log
   cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json $OUT/ 2>/dev/null
@@ -102,10 +108,11 @@ regen)
   # local regeneration: arrival-order against length-grouped batches, dynamic / static cache
   timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
     --dtype bfloat16 --prompts "${REGEN_PROMPTS:-1024}" --batch 512 --max-tokens "${MAX_NEW:-128}" \
-    --kv-cache "${KV:-dynamic,static}" --profile "${PROFILE:-0}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
+    --kv-cache "${KV:-dynamic,static}" --profile "${PROFILE:-0}" --attention "${ATTENTION:-all}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
   timeout "${ENGINE_S:-240}" python3 bench/decode_engine.py --dtype bfloat16 --tokens 96 \
+    ${ENGINE_PROFILE:+--profile $ENGINE_PROFILE} \
     2>&1 | grep -v -i "warn" | tee $OUT/decode_engine.log ;;
 esac
 exit 0
