@@ -28,12 +28,25 @@ def _prepare(config: Path, run: Path) -> None:
         assert result.returncode == 0, result.stderr
 
 
+def _straight_and_other(config: Path, tmp_path: Path, overrides: list[str], other: str):
+    """Two prepared runs: `straight` trained without interruption, `other` not yet."""
+    runs = tmp_path / "straight", tmp_path / other
+    for run in runs:
+        _prepare(config, run)
+    assert eagletrain("train", config, "--run-dir", runs[0], *overrides).returncode == 0
+    return runs
+
+
+def _assert_same_losses(straight: Path, other: Path) -> None:
+    expected, got = _losses(straight), _losses(other)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():
+        assert abs(got[step] - loss) <= 1e-6 * max(1.0, abs(loss)), (step, got[step], loss)
+
+
 def test_kill_during_training_resumes_to_the_same_loss_curve(tiny_config: Path, tmp_path: Path):
     overrides = ["--set", "train.checkpoint_every=3", "--set", "train.epochs=3"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    for run in (straight, killed):
-        _prepare(tiny_config, run)
-    assert eagletrain("train", tiny_config, "--run-dir", straight, *overrides).returncode == 0
+    straight, killed = _straight_and_other(tiny_config, tmp_path, overrides, "killed")
 
     env = cli_env(EAGLETRAIN_FAULT_DELAY="train:0.3")
     proc = eagletrain_background(
@@ -48,10 +61,7 @@ def test_kill_during_training_resumes_to_the_same_loss_curve(tiny_config: Path, 
 
     resumed = eagletrain("train", tiny_config, "--run-dir", killed, *overrides)
     assert resumed.returncode == 0, resumed.stderr
-    expected, got = _losses(straight), _losses(killed)
-    assert sorted(got) == sorted(expected)
-    for step, loss in expected.items():
-        assert abs(got[step] - loss) <= 1e-6 * max(1.0, abs(loss)), (step, got[step], loss)
+    _assert_same_losses(straight, killed)
     evals = [_evaluations(run) for run in (straight, killed)]
     assert [s for s, _ in evals[0]] == [s for s, _ in evals[1]]
     for (_, want), (_, have) in zip(*evals, strict=True):
@@ -65,10 +75,7 @@ def test_a_signal_stops_training_after_the_step_in_flight(
     """No periodic checkpoint falls before the signal, so resuming from where it stopped (not
     from step 0) proves the stop saved the step in flight; the curve is then unchanged."""
     overrides = ["--set", "train.checkpoint_every=0", "--set", "train.epochs=3"]
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    for run in (straight, stopped):
-        _prepare(tiny_config, run)
-    assert eagletrain("train", tiny_config, "--run-dir", straight, *overrides).returncode == 0
+    straight, stopped = _straight_and_other(tiny_config, tmp_path, overrides, "stopped")
 
     env = cli_env(EAGLETRAIN_FAULT_DELAY="train:0.3")
     log = tmp_path / "t.log"
@@ -89,10 +96,7 @@ def test_a_signal_stops_training_after_the_step_in_flight(
 
     resumed = eagletrain("train", tiny_config, "--run-dir", stopped, *overrides, env=cli_env())
     assert resumed.returncode == 0, resumed.stderr
-    expected, got = _losses(straight), _losses(stopped)
-    assert sorted(got) == sorted(expected)
-    for step, loss in expected.items():
-        assert abs(got[step] - loss) <= 1e-6 * max(1.0, abs(loss)), (step, got[step], loss)
+    _assert_same_losses(straight, stopped)
 
 
 def _evaluations(run: Path) -> list[tuple[int, float]]:
