@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from conftest import eagletrain, status_json
+from conftest import build_tiny_target, eagletrain, status_json
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,19 @@ def test_changing_a_started_stage_config_is_refused(tiny_config: Path, tmp_path:
     result = eagletrain("data", tiny_config, "--run-dir", run, "--set", "data.max_length=50")
     assert result.returncode == 2
     assert "data.max_length" in result.stderr
+
+
+def test_a_later_stage_refuses_another_target(tiny_config: Path, tmp_path: Path):
+    """The data stage was made with one target; extracting or training with another (here
+    the same architecture, other weights and a changed config) is refused, not mixed in."""
+    run = tmp_path / "run"
+    assert eagletrain("data", tiny_config, "--run-dir", run).returncode == 0
+    other = build_tiny_target(tmp_path / "other-target", seed=1, layers=6)
+    for stage in ("extract", "train"):
+        result = eagletrain(stage, tiny_config, "--run-dir", run, "--set", f"target.model={other}")
+        assert result.returncode == 2, (stage, result.stderr)
+        assert "but this run's data stage was made with" in result.stderr
+        assert eagletrain(stage, tiny_config, "--run-dir", run).returncode == 0
 
 
 def test_eval_at_temperature_one_on_heldout_conversations(tiny_config: Path, tmp_path: Path):

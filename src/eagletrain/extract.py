@@ -22,7 +22,7 @@ from eagletrain.faults import inject_delay
 from eagletrain.hidden_codec import FP8, to_store_dtype
 from eagletrain.ledger import ItemRow
 from eagletrain.progress import stage_progress
-from eagletrain.rundir import Run, require_previous
+from eagletrain.rundir import Run, require_data_target, require_previous
 from eagletrain.shard_writer import CapturedBatch, ShardWriter
 from eagletrain.shards import (
     ShardReader,
@@ -279,6 +279,7 @@ def run_extract(
         return repaired
     require_previous(run, STAGE, allow_partial)
     source = resolve_target(cfg.target)
+    require_data_target(run, source.identity)
     tmpl = template_hash(load_tokenizer(source))
     data_detail = (ledger.stage_row("data") or {}).get("detail", {})
     if data_detail.get("template_hash") not in (None, tmpl):

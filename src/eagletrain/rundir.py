@@ -105,6 +105,17 @@ def reopen_run(run_dir: Path) -> Run:
     return Run(run_dir, load_config(config_path), Ledger(run_dir, create=True))
 
 
+def require_data_target(run: Run, identity: str) -> None:
+    """A later stage's target must be the one the data stage regenerated and tokenized with
+    (by identity: a GGUF's hash, an HF directory's config, not its path, which may move)."""
+    made_with = (run.ledger.stage_row("data") or {}).get("detail", {}).get("target")
+    if made_with is not None and made_with != identity:
+        raise ConfigError(
+            f"target.model {run.config.target.model} is {identity}, but this run's data stage "
+            f"was made with {made_with}; use that target or a new --run-dir"
+        )
+
+
 def previous_stage(stage: str) -> str | None:
     i = STAGES.index(stage)
     return STAGES[i - 1] if i else None

@@ -36,7 +36,7 @@ from eagletrain.online_samples import OnlineSamples
 from eagletrain.packing import pack_rows
 from eagletrain.parallel import Parallel, init_parallel
 from eagletrain.progress import stage_progress
-from eagletrain.rundir import Run, require_previous
+from eagletrain.rundir import Run, require_data_target, require_previous
 from eagletrain.sharding import (
     distribute,
     full_model_state,
@@ -235,6 +235,7 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
             return None
         # online: the target runs in this job on the data stage's samples, no extracted dataset
         require_previous(run, STAGE, allow_partial, "data" if tc.online else None)
+        require_data_target(run, resolve_target(cfg.target).identity)
         meta = None if tc.online else read_dataset_metadata(run.dir)
         if meta is not None:
             check_dataset(run, meta)
