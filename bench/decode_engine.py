@@ -46,6 +46,13 @@ def per_cycle_ms(decode, cycles_of, repeats: int = 3) -> float:
     return 1000 * best
 
 
+def cycles_counter(method: str):
+    """What a decode's time is divided by: tokens (plain) or draft-verify cycles."""
+    if method == "plain":
+        return lambda r: len(r.tokens)
+    return lambda r: len(r.accepted_per_cycle)
+
+
 def profile_cycles(decode, cycles_of, device: torch.device) -> None:
     """One decode under torch.profiler: the top operators and runtime calls, per cycle."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -130,19 +137,10 @@ def main() -> None:
             for method, decode in methods.items():
                 decode()  # compile, capture graphs, warm caches: untimed
                 decode()
-                ms[method] = per_cycle_ms(
-                    decode,
-                    (lambda r: len(r.tokens)) if method == "plain" else
-                    (lambda r: len(r.accepted_per_cycle)),
-                )  # fmt: skip
+                ms[method] = per_cycle_ms(decode, cycles_counter(method))
             if args.profile:
-                counts = (
-                    (lambda r: len(r.tokens))
-                    if args.profile == "plain"
-                    else (lambda r: len(r.accepted_per_cycle))
-                )
                 print(f"profile: {args.profile} on the {name} engine", flush=True)
-                profile_cycles(methods[args.profile], counts, device)
+                profile_cycles(methods[args.profile], cycles_counter(args.profile), device)
         plain_ms[name] = ms["plain"]
         table.add_row(name, *(f"{ms[m]:.2f}" for m in methods), f"{ms['chain'] / ms['plain']:.2f}")
         print(

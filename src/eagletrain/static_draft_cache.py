@@ -83,10 +83,13 @@ class StaticDraftCache:
         else:
             allowed = torch.zeros(n, self.max_len, dtype=torch.bool, device=device)
             allowed[:, : mask.shape[1]] = mask
-        forward = self._compiled if self.length else self._forward  # prefill runs eager
-        # graphs are specialised to strides too: a slice of an earlier output (its last
-        # row) would compile one graph per width of that output
-        hidden, embeds = (x.clone(memory_format=torch.contiguous_format) for x in (hidden, embeds))
+        if self.length and self.compiled:  # a compiled step (the prefill runs eager)
+            # graphs are specialised to strides too: a slice of an earlier output (its last
+            # row) would compile one graph per width of that output
+            hidden, embeds = (
+                x.clone(memory_format=torch.contiguous_format) for x in (hidden, embeds)
+            )
+        forward = self._compiled if self.length else self._forward
         out = forward(hidden, embeds, positions, slots, allowed).clone()
         self.length += n
         return out

@@ -46,6 +46,7 @@ from eagletrain.sharding import (
 )
 from eagletrain.stop_request import StopRequest
 from eagletrain.target import (
+    TargetSource,
     load_target,
     load_tokenizer,
     pick_device,
@@ -76,9 +77,9 @@ def check_dataset(run: Run, meta: dict[str, Any]) -> None:
         )
 
 
-def frozen_target_parts(run: Run) -> tuple[Any, torch.nn.Embedding, TargetHead]:
+def frozen_target_parts(source: TargetSource) -> tuple[Any, torch.nn.Embedding, TargetHead]:
     """The target's config, token embedding, final norm and lm_head (all frozen)."""
-    target = load_target(resolve_target(run.config.target), "float32", torch.device("cpu"))
+    target = load_target(source, "float32", torch.device("cpu"))
     config = target.config
     embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach())
     head = TargetHead(
@@ -235,20 +236,22 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
             return None
         # online: the target runs in this job on the data stage's samples, no extracted dataset
         require_previous(run, STAGE, allow_partial, "data" if tc.online else None)
-        require_data_target(run, resolve_target(cfg.target).identity)
+        source = resolve_target(cfg.target)  # hashes a GGUF: once
+        require_data_target(run, source.identity)
         meta = None if tc.online else read_dataset_metadata(run.dir)
         if meta is not None:
             check_dataset(run, meta)
         torch.manual_seed(cfg.run.seed)
-        return _train(run, meta, parallel, device, allow_partial)
+        return _train(run, meta, parallel, device, source, allow_partial)
     finally:
         parallel.close()
 
 
-def online_dataset(run: Run, device: torch.device) -> tuple[Any, dict[str, Any], list[ItemRow]]:
+def online_dataset(
+    run: Run, device: torch.device, source: TargetSource
+) -> tuple[Any, dict[str, Any], list[ItemRow]]:
     """The target on the training device, its dataset metadata (as extraction would write
     it) and the data stage's samples."""
-    source = resolve_target(run.config.target)
     model = load_target(source, run.config.target.dtype, device)
     aux_ids = resolve_aux_ids(run, model.config.num_hidden_layers)
     tmpl = template_hash(load_tokenizer(source))
@@ -262,6 +265,7 @@ def _train(
     meta: dict[str, Any] | None,
     parallel: Parallel,
     device: torch.device,
+    source: TargetSource,
     allow_partial: bool,
 ) -> dict[str, Any] | None:
     ledger, cfg, tc = run.ledger, run.config, run.config.train
@@ -271,7 +275,7 @@ def _train(
             f"{parallel.world} ranks"
         )
     if tc.online:
-        target, meta, items = online_dataset(run, device)
+        target, meta, items = online_dataset(run, device, source)
         check_dataset(run, meta)
         data_samples = DataSamples(run)
 
@@ -292,7 +296,7 @@ def _train(
         raise InputError("train: the dataset has no training samples")
     train_data, heldout = dataset(train_items), dataset(heldout_items)
 
-    target_config, embed, head = frozen_target_parts(run)
+    target_config, embed, head = frozen_target_parts(source)
 
     def masked_tokens():
         for i in range(len(train_data)):
@@ -465,7 +469,8 @@ def _train(
                         evaluate_and_keep_best(epoch)
                     parallel.barrier()
                 periodic = tc.checkpoint_every and step % tc.checkpoint_every == 0
-                if (periodic or stopping) and step < total_steps:
+                stop_here = stopping and step < total_steps  # at the last step: just finish
+                if (periodic or stop_here) and step < total_steps:
                     if parallel.main or sharded:
                         states = full_model_state(drafter), full_optimizer_state(drafter, optimizer)
                     if parallel.main:
@@ -479,7 +484,7 @@ def _train(
                     ledger.set_units_done(STAGE, step)
                     worker.progressed()
                 bar.advance(task)
-                if stopping and step < total_steps:
+                if stop_here:
                     log.close()
                     raise KeyboardInterrupt  # the CLI: "interrupted; rerun ... to resume"
                 inject_delay("train")
