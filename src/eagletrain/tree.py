@@ -80,18 +80,24 @@ def draft_tree(proposer: EagleProposer, shape: TreeShape) -> DraftTree:
     drafter, device = proposer.drafter, proposer.device
     real = proposer.real  # the drafter cache holds the real prefix; tree entries go after it
 
-    def top_children(hidden: torch.Tensor, base: float, depth: int, parent: int):
+    def expand(hidden: torch.Tensor, parents: list[int], depth: int) -> list[int]:
+        """Each parent's top-k children from the drafter's outputs at the parents ([F, H]),
+        in one batched top-k and one read to the host; their candidate indices."""
         logits = drafter.logits(hidden)
         logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
         values, ids = logp.topk(min(shape.topk, logp.shape[-1]))
-        tokens = drafter.draft_to_target(ids).tolist()
-        return [
-            _Candidate(base + v, depth, t, parent)
-            for v, t in zip(values.tolist(), tokens, strict=True)
-        ]
+        values, tokens = values.tolist(), drafter.draft_to_target(ids).tolist()
+        first = len(candidates)
+        for parent, row_values, row_tokens in zip(parents, values, tokens, strict=True):
+            base = candidates[parent].score if parent != -1 else 0.0
+            candidates.extend(
+                _Candidate(base + v, depth, t, parent)
+                for v, t in zip(row_values, row_tokens, strict=True)
+            )
+        return list(range(first, len(candidates)))
 
-    candidates = top_children(proposer.last_hidden[0, -1], 0.0, 1, -1)
-    frontier = list(range(len(candidates)))
+    candidates: list[_Candidate] = []
+    frontier = expand(proposer.last_hidden[0, -1:], [-1], 1)
     output: dict[int, torch.Tensor] = {}  # candidate -> the drafter's output at that node
     slot: dict[int, int] = {}  # candidate -> its entry in the drafter cache
     for depth in range(2, shape.depth + 1):
@@ -117,12 +123,9 @@ def draft_tree(proposer: EagleProposer, shape: TreeShape) -> DraftTree:
             [[real + candidates[c].depth - 1 for c in frontier]], device=device
         )
         out = proposer.step(hidden_in, proposer.embed(ids), positions, allowed.to(device))
-        children = []
         for row, c in enumerate(frontier):
             output[c] = out[:, row : row + 1]
-            first = len(candidates)
-            candidates += top_children(out[0, row], candidates[c].score, depth, c)
-            children += range(first, len(candidates))
+        children = expand(out[0], frontier, depth)
         frontier = sorted(children, key=lambda i: -candidates[i].score)[: shape.topk]
 
     chosen = sorted(
@@ -143,12 +146,13 @@ def draft_tree(proposer: EagleProposer, shape: TreeShape) -> DraftTree:
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
     """(accepted node path, the target's next token)."""
+    predicted = logits.argmax(-1).tolist()  # one read to the host for the whole walk
     path, node = [], -1
     while True:
-        predicted = int(logits[node + 1].argmax())
-        nxt = next((c for c in tree.children(node) if tree.tokens[c] == predicted), None)
+        token = predicted[node + 1]
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
         if nxt is None:
-            return path, predicted
+            return path, token
         path.append(nxt)
         node = nxt
 
