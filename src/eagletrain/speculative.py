@@ -91,15 +91,15 @@ class EagleProposer:
         self._extend(features, [*prompt[1:], first])
 
     def propose(self, k: int) -> list[int]:
+        """The drafts stay on the device until all k are drafted: one read to the host."""
         drafts, hidden = [], self.last_hidden
+        positions = torch.arange(self.real, self.real + k, device=self.device)
         for j in range(k):
-            token = int(self.drafter.draft_to_target(self.drafter.logits(hidden)[0, -1].argmax()))
+            token = self.drafter.draft_to_target(self.drafter.logits(hidden)[0, -1].argmax())
             drafts.append(token)
             if j + 1 < k:
-                pos = torch.tensor([[self.real + j]], device=self.device)
-                emb = self.embed(torch.tensor([[token]], device=self.device))
-                hidden = self.step(hidden, emb, pos)
-        return drafts
+                hidden = self.step(hidden, self.embed(token.view(1, 1)), positions[j].view(1, 1))
+        return torch.stack(drafts).tolist()
 
     def advance(self, new_tokens: list[int], features: torch.Tensor | None) -> None:
         self.cache.crop(self.real)

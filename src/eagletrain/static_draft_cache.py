@@ -86,8 +86,8 @@ class StaticDraftCache:
         if self.length and self.compiled:  # a compiled step (the prefill runs eager)
             # graphs are specialised to strides too: a slice of an earlier output (its last
             # row) would compile one graph per width of that output
-            hidden, embeds = (
-                x.clone(memory_format=torch.contiguous_format) for x in (hidden, embeds)
+            hidden, embeds, positions = (
+                x.clone(memory_format=torch.contiguous_format) for x in (hidden, embeds, positions)
             )
         forward = self._compiled if self.length else self._forward
         out = forward(hidden, embeds, positions, slots, allowed).clone()
