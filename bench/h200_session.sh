@@ -16,7 +16,8 @@
 #                 against length-grouped, dynamic and static KV cache; PROFILE=N first
 #                 profiles one batch of N new tokens (the top operators); ATTENTION=
 #                 all,no-cudnn compares SDPA with and without cuDNN's backend
-#   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine;
+#   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
+#                 (ENGINES, default compiled,static,eager);
 #                 ENGINE_PROFILE=chain profiles a chain decode on each engine
 #   PHASE=train   extract (skipped with train.online), train under torchrun until TRAIN_S
 #                 seconds (the next call resumes), export once training is complete;
@@ -111,8 +112,9 @@ regen)
     --kv-cache "${KV:-dynamic,static}" --profile "${PROFILE:-0}" --attention "${ATTENTION:-all}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
+  # compiled first: the engine served, and the one a time limit must not cut (sixth part)
   timeout "${ENGINE_S:-240}" python3 bench/decode_engine.py --dtype bfloat16 --tokens 96 \
-    ${ENGINE_PROFILE:+--profile $ENGINE_PROFILE} \
+    --engines "${ENGINES:-compiled,static,eager}" ${ENGINE_PROFILE:+--profile $ENGINE_PROFILE} \
     2>&1 | grep -v -i "warn" | tee $OUT/decode_engine.log ;;
 esac
 exit 0
