@@ -1,32 +1,33 @@
 """Local regeneration throughput (the data stage's in-process backend, regen_local.py):
-completion tokens/s of `LocalGenerator.generate` over ShareGPT first turns, batches taken
-in arrival order (as before length grouping) against batches grouped by length (what the
-stage now does), with transformers' dynamic and static KV caches.
+completion tokens/s of `LocalGenerator.generate` over ShareGPT first turns in the stage's
+length-grouped batches, per generator configuration KV/ATTENTION/SDPA:
+
+- KV: transformers' `dynamic` cache (grows by concatenation) or `static` (pre-allocated);
+- ATTENTION: `transformers` (its SDPA as it comes: on 5.17 it copies each key/value head
+  per query head under a padding mask) or `packed-gqa` (packed_gqa.py);
+- SDPA: `cudnn` (every PyTorch backend allowed; cuDNN's plans each new key length anew)
+  or `no-cudnn`.
 
     .venv/bin/python bench/regen_local.py [--prompts 1024] [--batch 512] [--max-tokens 256]
-        [--kv-cache dynamic,static] [--model smollm2|PATH] [--source sharegpt|PATH]
-        [--dtype float32] [--device auto] [--profile 16] [--attention all,no-cudnn]
+        [--configs dynamic/transformers/cudnn,dynamic/packed-gqa/no-cudnn,...]
+        [--model smollm2|PATH] [--source sharegpt|PATH] [--dtype float32] [--device auto]
+        [--profile 16 --profile-config KV/ATTENTION/SDPA] [--arrival]
 
 Prompts longer than --max-length tokens are left out (the stage skips them too). Each
-configuration runs one untimed batch first (first-call setup, compilation). Prints a
-table, then `regen_grouped_ratio=<x>`: grouped over arrival-order tokens/s, dynamic cache.
-With `--profile N`, one grouped batch of N new tokens per row runs under torch.profiler
-first and the operators that took the most time are printed (where a step's time goes).
-`--attention all,no-cudnn` repeats each configuration with PyTorch's SDPA backends all
-allowed and with cuDNN's left out (on the H200, cuDNN's SDPA built an execution plan for
-each new key length, i.e. at every decoding step: 6.5 ms of CPU a call in the profile).
+configuration runs one untimed batch first (first-call setup). Prints a table, then
+`regen_speedup=<x>`: the fastest configuration over the first (the baseline: the stage's
+generator before packed-gqa). With `--profile N`, one batch of N new tokens a row runs
+under torch.profiler first and the operators that took the most time are printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eagletrain.config import RegenerateConfig, TargetConfig
 from eagletrain.conversations import read_records
@@ -90,14 +91,22 @@ def profile(generator: LocalGenerator, batch: list[list[dict]], device, tokens: 
     print(ops.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
-def attention_backends(name: str):
-    """`all`: PyTorch picks among every SDPA backend; `no-cudnn`: every one but cuDNN's."""
-    if name == "all":
-        return contextlib.nullcontext()
-    if name == "no-cudnn":
-        allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-        return sdpa_kernel(allowed)
-    raise SystemExit(f"--attention: unknown {name!r} (all, no-cudnn)")
+BASELINE = "dynamic/transformers/cudnn"  # what the data stage ran before packed-gqa
+
+
+def generator_config(spec: str, max_tokens: int, batch: int) -> RegenerateConfig:
+    """`KV/ATTENTION/SDPA`, e.g. `static/packed-gqa/no-cudnn` (RegenerateConfig's fields)."""
+    try:
+        kv_cache, attention, sdpa = spec.split("/")
+    except ValueError:
+        raise SystemExit(f"--configs: {spec!r} is not KV/ATTENTION/SDPA") from None
+    return RegenerateConfig(
+        max_tokens=max_tokens,
+        batch_size=batch,
+        kv_cache=kv_cache,
+        attention=attention,
+        sdpa_cudnn=sdpa == "cudnn",
+    )
 
 
 def main() -> None:
@@ -106,13 +115,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-length", type=int, default=1024)
-    parser.add_argument("--kv-cache", default="dynamic,static")
+    parser.add_argument(
+        "--configs",
+        default=f"{BASELINE},dynamic/transformers/no-cudnn,dynamic/packed-gqa/no-cudnn,"
+        "static/packed-gqa/no-cudnn",
+        help="KV/ATTENTION/SDPA,...: the first is the baseline of the printed ratio",
+    )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--source", default="sharegpt")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--profile", type=int, default=0, help="new tokens of a profiled batch")
-    parser.add_argument("--attention", default="all", help="all,no-cudnn: SDPA backends")
+    parser.add_argument("--profile-config", default="dynamic/packed-gqa/no-cudnn")
+    parser.add_argument("--arrival", action="store_true", help="also batches in arrival order")
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -120,43 +135,38 @@ def main() -> None:
     model = load_target(source, args.dtype, device)
     tokenizer = load_tokenizer(source)
     prompts = first_turns(args.source, tokenizer, args.prompts, args.max_length)
-    orders = {
-        "arrival": [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)],
-        "grouped": length_grouped(prompts, args.batch, lambda c: c),
-    }
+    orders = {"grouped": length_grouped(prompts, args.batch, lambda c: c)}
+    if args.arrival:
+        orders["arrival"] = [
+            prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)
+        ]
     if args.profile:
-        cfg = RegenerateConfig(max_tokens=args.profile, batch_size=args.batch)
+        cfg = generator_config(args.profile_config, args.profile, args.batch)
         profile(LocalGenerator(model, tokenizer, cfg), orders["grouped"][0], device, args.profile)
     table = Table(
         title=f"local regeneration, {len(prompts)} ShareGPT first turns, batch {args.batch}, "
         f"{args.max_tokens} new tokens at most, {args.dtype} on {device}"
     )
-    for col in ("kv cache, attention, order", "batches", "padding share", "tokens", "s", "tok/s"):
+    for col in ("kv / attention / sdpa, order", "batches", "padding share", "tokens", "s"):
         table.add_column(col, justify="right")
+    table.add_column("tok/s", justify="right")
     shares = {order: f"{padded_share(tokenizer, batches):.2f}" for order, batches in orders.items()}
-    rates: dict[tuple[str, str, str], float] = {}
-    for kv_cache in args.kv_cache.split(","):
-        cfg = RegenerateConfig(max_tokens=args.max_tokens, batch_size=args.batch, kv_cache=kv_cache)
-        generator = LocalGenerator(model, tokenizer, cfg)
-        for backends in args.attention.split(","):
-            for order, batches in orders.items():
-                with attention_backends(backends):
-                    made, seconds = run(generator, batches, device)
-                rates[kv_cache, backends, order] = made / seconds
-                cells = [str(len(batches)), shares[order], str(made), f"{seconds:.1f}"]
-                cells.append(f"{made / seconds:.0f}")
-                table.add_row(f"{kv_cache}, {backends}, {order}", *cells)
-                print(f"row {kv_cache} {backends} {order} tok_s={made / seconds:.0f}", flush=True)
+    rates: dict[tuple[str, str], float] = {}
+    specs = args.configs.split(",")
+    for spec in specs:
+        generator = LocalGenerator(
+            model, tokenizer, generator_config(spec, args.max_tokens, args.batch)
+        )
+        for order, batches in orders.items():
+            made, seconds = run(generator, batches, device)
+            rates[spec, order] = made / seconds
+            cells = [str(len(batches)), shares[order], str(made), f"{seconds:.1f}"]
+            table.add_row(f"{spec}, {order}", *cells, f"{made / seconds:.0f}")
+            print(f"row {spec} {order} tok_s={made / seconds:.0f}", flush=True)
     Console(width=140).print(table)
-    first, backends = args.kv_cache.split(",")[0], args.attention.split(",")
-    if len(backends) > 1:
-        # arrival order is each backend set's first pass over these batches: cuDNN meets
-        # every shape fresh, as the data stage does with each new batch
-        ratio = rates[first, backends[1], "arrival"] / rates[first, backends[0], "arrival"]
-        print(f"regen_{backends[1]}_ratio={ratio:.2f}".replace("-", "_"))
-    else:
-        b = backends[0]
-        print(f"regen_grouped_ratio={rates[first, b, 'grouped'] / rates[first, b, 'arrival']:.2f}")
+    best = max(specs[1:] or specs, key=lambda spec: rates[spec, "grouped"])
+    print(f"best: {best} against {specs[0]}")
+    print(f"regen_speedup={rates[best, 'grouped'] / rates[specs[0], 'grouped']:.2f}")
 
 
 if __name__ == "__main__":

@@ -259,6 +259,47 @@ def test_local_regeneration_left_padded_batches_equal_one_by_one(tiny_target: Pa
     assert [s.text for s in static] == [b.text for b in batched]
 
 
+def test_packed_gqa_attention_equals_expanded_heads_under_a_padding_mask(tiny_target: Path):
+    """One decoding step of left-padded rows: the packed attention gives transformers'
+    own SDPA result (keys and values expanded per query head) for every row and head."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from eagletrain.packed_gqa import packed_gqa_attention
+    from eagletrain.target import TargetSource, load_target
+
+    model = load_target(TargetSource(tiny_target, "tiny"), "float32", "cpu")
+    module = model.model.layers[0].self_attn
+    assert module.num_key_value_groups > 1
+    heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, 8
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(3, heads, 1, dim, generator=gen)
+    key, value = (torch.randn(3, kv_heads, 7, dim, generator=gen) for _ in range(2))
+    mask = torch.ones(3, 1, 1, 7, dtype=torch.bool)
+    mask[0, ..., :4] = False  # left padding of different widths
+    mask[1, ..., :1] = False
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    packed, _ = packed_gqa_attention(module, query, key, value, mask, scaling=0.3)
+    assert packed.shape == expected.shape == (3, 1, heads, dim)
+    torch.testing.assert_close(packed, expected)
+
+
+def test_local_regeneration_packed_attention_generates_what_transformers_does(tiny_target: Path):
+    from eagletrain.regen_local import LocalGenerator
+    from eagletrain.target import TargetSource, load_target, load_tokenizer
+
+    source = TargetSource(tiny_target, "tiny")
+    tokenizer, model = load_tokenizer(source), load_target(source, "float32", "cpu")
+    chats = [[{"role": "user", "content": "a " * n}] for n in (1, 9, 4, 20)]
+    texts = {}
+    for attention in ("transformers", "packed-gqa"):
+        cfg = RegenerateConfig(max_tokens=12, batch_size=4, attention=attention)
+        gen = LocalGenerator(model, tokenizer, cfg)
+        assert model.config._attn_implementation.endswith("sdpa" if attention[0] == "t" else "gqa")
+        texts[attention] = [c.text for c in gen.generate(chats)]
+    assert texts["packed-gqa"] == texts["transformers"]
+    assert all(texts["packed-gqa"])
+
+
 class PromptLengthRecorder:
     """The real model; records the prompt lengths (unpadded) of every generate batch."""
 

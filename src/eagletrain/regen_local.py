@@ -8,12 +8,15 @@ multi-turn driver in regenerate.py does not know which one it talks to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eagletrain.config import RegenerateConfig
+from eagletrain.packed_gqa import set_attention
 from eagletrain.regen_client import Completion
 
 T = TypeVar("T")
@@ -47,6 +50,13 @@ class LocalGenerator:
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos = sorted(set(eos))
+        set_attention(model, cfg.attention)
+
+    def _sdpa_backends(self) -> contextlib.AbstractContextManager:
+        if self.device.type != "cuda" or self.cfg.sdpa_cudnn:
+            return contextlib.nullcontext()
+        allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        return sdpa_kernel(allowed)
 
     async def __aenter__(self) -> LocalGenerator:
         self._worker = asyncio.create_task(self._serve())
@@ -108,18 +118,20 @@ class LocalGenerator:
         sampling = self.cfg.temperature > 0
         if sampling:
             torch.manual_seed(self.seed + self.requests)
-        out = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=attention.to(self.device),
-            max_new_tokens=self.cfg.max_tokens,
-            do_sample=sampling,
-            temperature=self.cfg.temperature if sampling else None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos,
-            **({"cache_implementation": "static"} if self.cfg.kv_cache == "static" else {}),
-        )[:, longest:].cpu()
+        static = {"cache_implementation": "static", "disable_compile": True}
+        with self._sdpa_backends():
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                max_new_tokens=self.cfg.max_tokens,
+                do_sample=sampling,
+                temperature=self.cfg.temperature if sampling else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos,
+                **(static if self.cfg.kv_cache == "static" else {}),
+            )[:, longest:].cpu()
         self.requests += len(encoded)
         results = []
         for row, e in enumerate(encoded):
