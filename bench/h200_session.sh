@@ -2,7 +2,8 @@
 # One H200 session of the device tool (../shared/reference/GPU.md), in back-to-back calls
 # while the machine stays warm (/tmp survives between them; 64 MiB travel per call):
 #   PHASE=setup   carry .carry/a (GGUF first half), .carry/c (eval prompt files) and
-#                 .carry/d (ShareGPT JSONL.gz): 62.5 MB together; on a fresh machine, also
+#                 .carry/d (ShareGPT JSONL.gz): 65 MB together with the tree (bench/
+#                 h200_pieces.sh builds .carry/a-d here); on a fresh machine, also
 #                 (in another setup call when over 64 MiB) an earlier call's pieces:
 #                 .carry/r (rundata.tgz.*), .carry/e (export_sglang.tgz.*)
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
@@ -12,10 +13,10 @@
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
 #                 them into .carry/r here for the next session: a run directory is
 #                 relocatable, tests/test_kill_resume.py)
-#   PHASE=regen   bench/regen_local.py: local regeneration tokens/s, batches in arrival order
-#                 against length-grouped, dynamic and static KV cache; PROFILE=N first
-#                 profiles one batch of N new tokens (the top operators); ATTENTION=
-#                 all,no-cudnn compares SDPA with and without cuDNN's backend
+#   PHASE=regen   bench/regen_local.py: local regeneration tokens/s per generator
+#                 configuration (REGEN_CONFIGS, KV/ATTENTION/SDPA: the stage's generator
+#                 before packed-gqa first); PROFILE=N first profiles one batch of N new
+#                 tokens (the top operators)
 #   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
 #                 (ENGINES, default compiled,static,eager);
 #                 ENGINE_PROFILE=chain profiles a chain decode on each engine
@@ -46,7 +47,7 @@ M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $M" | sha256sum -c || exit 1
 [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/b/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src EAGLETRAIN_CACHE=/tmp/cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-DATA_FILE="${DATA_FILE:-sharegpt_16000.jsonl.gz}"
+DATA_FILE="${DATA_FILE:-sharegpt_all.jsonl.gz}"
 SETS=(--set target.model="$M" --set data.source=/tmp/c/$DATA_FILE --set eval.dataset=/tmp/c/question.jsonl)
 # EXTRA_SETS: more overrides (a dry run on a CPU: smaller, float32)
 read -r -a EXTRA <<< "${EXTRA_SETS:-}"
@@ -109,7 +110,7 @@ regen)
   # local regeneration: arrival-order against length-grouped batches, dynamic / static cache
   timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
     --dtype bfloat16 --prompts "${REGEN_PROMPTS:-1024}" --batch 512 --max-tokens "${MAX_NEW:-128}" \
-    --kv-cache "${KV:-dynamic,static}" --profile "${PROFILE:-0}" --attention "${ATTENTION:-all}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
+    ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} --profile "${PROFILE:-0}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
   # compiled first: the engine served, and the one a time limit must not cut (sixth part)

@@ -48,6 +48,8 @@ OPERATIONAL_KEYS = {
             "circuit_max_trips",
             "batch_size",
             "kv_cache",
+            "attention",
+            "sdpa_cudnn",
         )
     ),
 }
