@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -83,3 +84,25 @@ def test_drafter_norms_run_in_float32_under_bf16_autocast_without_the_slow_path(
             normed = drafter.norm(x.bfloat16())
     assert hidden.dtype == normed.dtype == torch.bfloat16
     torch.testing.assert_close(normed.float(), reference(x), rtol=0.02, atol=0.02)
+
+
+def test_dense_ttt_attention_keeps_flex_out_of_the_forward(monkeypatch):
+    """Held-out evaluation runs TTT attention dense (no flex kernel to compile), also
+    where flex would be chosen, and the drafter goes back to flex afterwards."""
+    import eagletrain.drafter as drafter_module
+
+    drafter, embed = tiny_drafter()
+    aux = torch.randn(1, 6, 3 * 32, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (1, 6))
+    positions = torch.arange(6)[None]
+
+    def flex_called():
+        raise AssertionError("flex_attention used")
+
+    monkeypatch.setattr(drafter_module, "TTT_ATTENTION", "flex")
+    monkeypatch.setattr(drafter_module, "_flex_attention", flex_called)
+    with drafter_module.dense_ttt_attention(drafter):
+        hidden, _ = drafter.step_ttt(drafter.fc(aux), embed(tokens), positions, [])
+    assert hidden.shape == (1, 6, 32)
+    with pytest.raises(AssertionError, match="flex_attention used"):
+        drafter.step_ttt(drafter.fc(aux), embed(tokens), positions, [])

@@ -140,3 +140,48 @@ def test_packing_without_boundaries_would_differ():
         plain = ttt_forward(drafter, embed, aux0, ids0, mask0, p0, v0, 3, weights)
     torch.testing.assert_close(right.loss, plain.loss)
     assert not torch.allclose(leaky.loss, plain.loss)
+
+
+def test_all_padding_rows_change_nothing():
+    """An epoch's short last batch is padded to the full row count (one compiled shape):
+    the padding rows add nothing to the loss, its metrics or the gradients."""
+    from eagletrain.hidden_dataset import Batch
+
+    drafter, embed = tiny_drafter(seed=5)
+    torch.manual_seed(6)
+    lengths = [9, 5, 12, 7]
+    samples = []
+    for n in lengths:
+        aux = torch.randn(n, 3 * 32, dtype=torch.float64)
+        ids = torch.randint(0, 50, (n,))
+        mask = torch.rand(n) < 0.8
+        p = torch.softmax(3 * torch.randn(n, 20, dtype=torch.float64), -1)
+        samples.append((aux, torch.zeros(n, 32, dtype=torch.float64), ids, mask, p, mask))
+    rows = pack_rows(lengths, 16)
+    _, ((aux, last, ids, mask, p, in_vocab), positions, segments) = padded_and_packed(
+        samples, rows, 16
+    )
+    short = Batch(aux, last, ids, mask, positions, segments)
+    full = short.padded_to(len(rows) + 3)
+    assert full.input_ids.shape[0] == len(rows) + 3 and not full.loss_mask[len(rows) :].any()
+    assert short.padded_to(len(rows)) is short
+    steps, weights = 3, [1.0, 0.8, 0.64]
+    results, grads = [], []
+    for batch in (short, full):
+        extra = batch.input_ids.shape[0] - len(rows)
+        p_rows = torch.cat([p, p.new_zeros(extra, *p.shape[1:])])
+        vocab_rows = torch.cat([in_vocab, in_vocab.new_zeros(extra, *in_vocab.shape[1:])])
+        drafter.zero_grad(set_to_none=True)
+        r = ttt_forward(
+            drafter, embed, batch.aux, batch.input_ids, batch.loss_mask, p_rows, vocab_rows,
+            steps, weights, positions=batch.positions, segments=batch.segments,
+        )  # fmt: skip
+        r.loss.backward()
+        results.append(r)
+        grads.append([q.grad.clone() for q in drafter.parameters()])
+    torch.testing.assert_close(results[1].loss, results[0].loss)
+    assert results[1].step_count == results[0].step_count
+    for k in range(steps):
+        assert results[1].step_acc[k] == pytest.approx(results[0].step_acc[k], abs=1e-12)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)

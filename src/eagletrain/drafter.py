@@ -12,9 +12,11 @@ as a serving engine advances positions by one per draft step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,21 @@ def compile_decoder_layer(drafter: Eagle3Drafter) -> None:
     drafter.midlayer.compile(dynamic=False)
 
 
+@contextlib.contextmanager
+def dense_ttt_attention(drafter: nn.Module) -> Iterator[None]:
+    """TTT attention without flex_attention inside: the same figures with no kernel to
+    compile (held-out evaluation: its gradient-free forward would compile one per TTT step
+    and shape, 113 s on the H200 for a 135M target's drafter)."""
+    layers = [m for m in drafter.modules() if isinstance(m, Eagle3Attention)]
+    for m in layers:
+        m.allow_flex = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.allow_flex = True
+
+
 def use_flex(x: torch.Tensor) -> bool:
     return TTT_ATTENTION == "flex" or (TTT_ATTENTION == "auto" and x.is_cuda)
 
@@ -136,6 +153,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.allow_flex = True  # dense_ttt_attention() turns it off
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
@@ -164,7 +182,7 @@ class Eagle3Attention(nn.Module):
         With `segments` (packed rows, [B, t]) the prefix is also cut at sample boundaries."""
         q, k, v = self._qkv(x, cos, sin)
         past = [*earlier, (k, v)]
-        if use_flex(x):
+        if self.allow_flex and use_flex(x):
             t = x.shape[1]
             keys = torch.cat([kj for kj, _ in past], dim=2)
             values = torch.cat([vj for _, vj in past], dim=2)

@@ -23,6 +23,27 @@ class Batch:
     positions: torch.Tensor | None = None
     segments: torch.Tensor | None = None
 
+    def padded_to(self, rows: int) -> Batch:
+        """This batch with all-padding rows appended up to `rows` (no loss, no figure
+        changes): an epoch's short last batch keeps the shape compiled kernels were built for."""
+        extra = rows - self.input_ids.shape[0]
+        if extra <= 0:
+            return self
+
+        def grow(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
+
+        return Batch(
+            grow(self.aux),
+            grow(self.last),
+            grow(self.input_ids),
+            grow(self.loss_mask),
+            grow(self.positions),
+            grow(self.segments),
+        )
+
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)

@@ -21,7 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 from eagletrain.draft_vocab import load_or_build
-from eagletrain.drafter import Eagle3Drafter, compile_decoder_layer, drafter_config
+from eagletrain.drafter import (
+    Eagle3Drafter,
+    compile_decoder_layer,
+    dense_ttt_attention,
+    drafter_config,
+)
 from eagletrain.errors import ConfigError, InputError
 from eagletrain.extract import (
     DataSamples,
@@ -153,7 +158,7 @@ def evaluate_heldout(
     accepted_sum, counted_sum, batches = 0.0, 0, 0
     rows = packed_rows(data, pack_length) if pack_length else None
     units = len(rows) if rows is not None else len(data)
-    with torch.no_grad():
+    with torch.no_grad(), dense_ttt_attention(drafter):
         for s in range(0, units, batch_size):
             chunk = list(range(s, min(s + batch_size, units)))
             batch = make_batch(data, chunk, rows, pack_length).to(device, torch.float32)
@@ -335,6 +340,7 @@ def _train(
     rows = packed_rows(train_data, tc.pack_length) if tc.pack_length else None
     units = len(rows) if rows is not None else len(train_data)
     steps_per_epoch = steps_in_epoch(units, tc.batch_size, parallel.world)
+    rows_per_rank = tc.batch_size // parallel.world
     total_steps = steps_per_epoch * tc.epochs
     if tc.compile:
         compile_decoder_layer(drafter)
@@ -419,6 +425,8 @@ def _train(
                 indices = order[b * tc.batch_size : (b + 1) * tc.batch_size]
                 mine = indices[parallel.rank :: parallel.world]
                 batch = make_batch(train_data, mine, rows, tc.pack_length)
+                if rows is not None:  # an epoch's short last batch: the compiled shape
+                    batch = batch.padded_to(rows_per_rank)
                 batch = batch.to(device, torch.float32)
                 with autocast:
                     r = batch_ttt(objective, drafter, head, batch, tc.ttt_steps, weights, parallel)
