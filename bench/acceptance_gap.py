@@ -5,6 +5,7 @@ cycle started.
 
     .venv/bin/python bench/acceptance_gap.py RUN_DIR [--prompts 8] [--max-new 64]
         [--chain 3] [--dataset heldout|PATH] [--model PATH] [--dtype float32] [--device auto]
+        [--stored N]
 
 Per prompt: decode greedily with chain drafting; then run the target over prompt + output
 and unroll the drafter as training does. In exact arithmetic the unroll's count of leading
@@ -15,12 +16,18 @@ after a rejection) are than the average position the trainer reports. For held-o
 prompts, the same unroll over the stored reply (the training data, as long as the served
 output) shows what the trainer measured on the same conversation; `multi-newline` counts
 served tokens such as SmolLM2's one-token "\n\n", which re-tokenized text never holds.
-Prints a table, then `cycle_agreement=<x>` (cycles whose accepted count matched) last.
+With `--stored N`, a second table splits N held-out stored samples (the trainer's
+held-out set) by reply (first or later assistant turn) and offset in the reply: the
+trainer's step-0 accuracy per bucket, and a chain-k walk through each reply as served
+decoding would take it (each cycle starts one past the previous cycle's accepted drafts),
+so the trainer's every-position average can be set against served-like cycles.
+Prints the tables, then `cycle_agreement=<x>` (cycles whose accepted count matched) last.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -35,13 +42,16 @@ from eagletrain.target import target_features
 from eagletrain.ttt import TargetHead, step_weights, ttt_forward
 
 
-def unrolled_accepts(model, drafter, head, ids: list[int], first_scored: int, k: int):
-    """Leading correct TTT steps (at most k) at every index of `ids`, tokens from index
-    `first_scored` on counting as targets."""
+def unrolled_accepts(model, drafter, head, ids: list[int], first_scored: int | list[bool], k: int):
+    """Leading correct TTT steps (at most k) at every index of `ids`; the tokens counting as
+    targets are those from index `first_scored` on, or those a per-token mask marks."""
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
-    scored = torch.zeros_like(x, dtype=torch.bool)
-    scored[:, first_scored:] = True
+    if isinstance(first_scored, list):
+        scored = torch.tensor([first_scored], dtype=torch.bool, device=device)
+    else:
+        scored = torch.zeros_like(x, dtype=torch.bool)
+        scored[:, first_scored:] = True
     aux_ids = list(drafter.config.eagle_aux_layer_ids)
     aux, last = target_features(model, x, torch.ones_like(scored), aux_ids)
     draft_ids = drafter.target_ids()
@@ -74,6 +84,66 @@ def stored_reply_acc(
     return sum(every) / max(len(every), 1)
 
 
+OFFSETS = ((0, 32), (32, 96), (96, 256), (256, 1 << 30))
+
+
+def replies(mask: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each run of loss-masked (assistant) tokens."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def stored_by_offset(samples: DataSamples, keys: list[str], model, drafter, head, k: int):
+    """Per (reply, offset bucket): [tokens, step-0 correct, walk cycles, walk accepted,
+    tokens inside the draft vocab]."""
+    buckets: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+    in_draft = set(drafter.target_ids().tolist())
+    for key in keys:
+        ids, mask = (t.tolist() for t in samples.get(key))
+        accepts = unrolled_accepts(model, drafter, head, ids, [bool(m) for m in mask], k)
+        for turn, (s, e) in enumerate(replies([bool(m) for m in mask])):
+            reply = "first" if turn == 0 else "later"
+            for p in range(max(s, 2), e):  # index p - 2 predicts token p
+                b = buckets[reply, next(j for j, (a, z) in enumerate(OFFSETS) if a <= p - s < z)]
+                b[0] += 1
+                b[1] += accepts[p - 2] >= 1
+                b[4] += ids[p] in in_draft
+            p = s + 1  # the reply's first token is the prefill's, the first cycle drafts the next
+            while p + k <= e:  # the cycle's k targets inside the reply
+                b = buckets[reply, next(j for j, (a, z) in enumerate(OFFSETS) if a <= p - s < z)]
+                b[2] += 1
+                b[3] += accepts[p - 2]
+                p += accepts[p - 2] + 1
+    return buckets
+
+
+def stored_table(buckets, k: int, samples: int) -> Table:
+    table = Table(title=f"{samples} held-out stored samples by reply and offset, chain {k}")
+    columns = ("reply", "offset", "tokens", "share", "in draft vocab", "step-0 acc")
+    for col in (*columns, "walk cycles", "walk tau"):
+        table.add_column(col, justify="right")
+    total = sum(b[0] for b in buckets.values())
+    rows = sorted(buckets.items(), key=lambda kv: (kv[0][0] != "first", kv[0][1]))
+    sums = [sum(b[i] for b in buckets.values()) for i in range(5)]
+    for reply, offsets, (tokens, right, cycles, accepted, inside) in [
+        *((reply, OFFSETS[j], b) for (reply, j), b in rows),
+        ("all", None, sums),
+    ]:
+        a, z = offsets or (0, 0)
+        table.add_row(
+            reply, "" if offsets is None else f"{a}-{z - 1}" if z < 1 << 30 else f"{a}+",
+            str(tokens), f"{tokens / total:.3f}", f"{inside / max(tokens, 1):.3f}",
+            f"{right / max(tokens, 1):.3f}", str(cycles), f"{1 + accepted / max(cycles, 1):.3f}",
+        )  # fmt: skip
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir", type=Path)
@@ -84,6 +154,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--stored", type=int, default=0, help="held-out stored samples to split")
     args = parser.parse_args()
 
     run = reopen_run(args.run_dir)
@@ -136,6 +207,11 @@ def main() -> None:
         )  # fmt: skip
         print(f"row {key} cycles={len(served)} matched={matched}", flush=True)
     Console(width=160).print(table)
+    if args.stored:
+        keys = [i.key for i in run.ledger.items("data", "done") if i.split == "heldout"]
+        keys = keys[: args.stored]
+        buckets = stored_by_offset(stored, keys, model, drafter, head, k)
+        Console(width=160).print(stored_table(buckets, k, len(keys)))
     print(f"cycle_agreement={agree / max(total, 1):.3f}")
 
 
