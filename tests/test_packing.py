@@ -27,6 +27,20 @@ def test_pack_rows_places_every_sample_once_within_the_row_length():
         pack_rows([3, 70], 64)
 
 
+def random_samples(lengths: list[int], seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """(aux, last, ids, loss mask, target distribution, in draft vocab) per sample."""
+    torch.manual_seed(seed)
+    samples = []
+    for n in lengths:
+        aux = torch.randn(n, 3 * 32, dtype=torch.float64)
+        ids = torch.randint(0, 50, (n,))
+        mask = torch.rand(n) < 0.8
+        p = torch.softmax(3 * torch.randn(n, 20, dtype=torch.float64), -1)
+        in_vocab = torch.rand(n) < 0.9
+        samples.append((aux, torch.zeros(n, 32, dtype=torch.float64), ids, mask, p, in_vocab))
+    return samples
+
+
 def padded_and_packed(samples, rows, row_tokens):
     """The same samples as a padded batch (one per row) and as packed rows."""
     b, longest = len(samples), max(s[0].shape[0] for s in samples)
@@ -64,16 +78,8 @@ def padded_and_packed(samples, rows, row_tokens):
 
 def test_packed_ttt_equals_padded_ttt():
     drafter, embed = tiny_drafter(seed=3)
-    torch.manual_seed(4)
     lengths = [9, 5, 12, 7, 3]
-    samples = []
-    for n in lengths:
-        aux = torch.randn(n, 3 * 32, dtype=torch.float64)
-        ids = torch.randint(0, 50, (n,))
-        mask = torch.rand(n) < 0.8
-        p = torch.softmax(3 * torch.randn(n, 20, dtype=torch.float64), -1)
-        in_vocab = torch.rand(n) < 0.9
-        samples.append((aux, torch.zeros(n, 32, dtype=torch.float64), ids, mask, p, in_vocab))
+    samples = random_samples(lengths, seed=4)
     rows = pack_rows(lengths, 16)
     assert any(len(row) > 1 for row in rows)
     padded, (packed, positions, segments) = padded_and_packed(samples, rows, 16)
@@ -148,15 +154,8 @@ def test_all_padding_rows_change_nothing():
     from eagletrain.hidden_dataset import Batch
 
     drafter, embed = tiny_drafter(seed=5)
-    torch.manual_seed(6)
     lengths = [9, 5, 12, 7]
-    samples = []
-    for n in lengths:
-        aux = torch.randn(n, 3 * 32, dtype=torch.float64)
-        ids = torch.randint(0, 50, (n,))
-        mask = torch.rand(n) < 0.8
-        p = torch.softmax(3 * torch.randn(n, 20, dtype=torch.float64), -1)
-        samples.append((aux, torch.zeros(n, 32, dtype=torch.float64), ids, mask, p, mask))
+    samples = random_samples(lengths, seed=6)
     rows = pack_rows(lengths, 16)
     _, ((aux, last, ids, mask, p, in_vocab), positions, segments) = padded_and_packed(
         samples, rows, 16
