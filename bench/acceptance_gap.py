@@ -104,19 +104,24 @@ def stored_by_offset(samples: DataSamples, keys: list[str], model, drafter, head
     tokens inside the draft vocab]."""
     buckets: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
     in_draft = set(drafter.target_ids().tolist())
+
+    def offset_bucket(offset: int) -> int:
+        return next(j for j, (a, z) in enumerate(OFFSETS) if a <= offset < z)
+
     for key in keys:
         ids, mask = (t.tolist() for t in samples.get(key))
-        accepts = unrolled_accepts(model, drafter, head, ids, [bool(m) for m in mask], k)
-        for turn, (s, e) in enumerate(replies([bool(m) for m in mask])):
+        mask = [bool(m) for m in mask]
+        accepts = unrolled_accepts(model, drafter, head, ids, mask, k)
+        for turn, (s, e) in enumerate(replies(mask)):
             reply = "first" if turn == 0 else "later"
             for p in range(max(s, 2), e):  # index p - 2 predicts token p
-                b = buckets[reply, next(j for j, (a, z) in enumerate(OFFSETS) if a <= p - s < z)]
+                b = buckets[reply, offset_bucket(p - s)]
                 b[0] += 1
                 b[1] += accepts[p - 2] >= 1
                 b[4] += ids[p] in in_draft
             p = s + 1  # the reply's first token is the prefill's, the first cycle drafts the next
             while p + k <= e:  # the cycle's k targets inside the reply
-                b = buckets[reply, next(j for j, (a, z) in enumerate(OFFSETS) if a <= p - s < z)]
+                b = buckets[reply, offset_bucket(p - s)]
                 b[2] += 1
                 b[3] += accepts[p - 2]
                 p += accepts[p - 2] + 1

@@ -107,7 +107,7 @@ decode)
   done
   tar -C /tmp/q/eval -czf $OUT/bench_json.tgz . ;;
 regen)
-  # local regeneration: arrival-order against length-grouped batches, dynamic / static cache
+  # local regeneration tokens/s per generator configuration (KV cache, attention, SDPA)
   timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
     --dtype bfloat16 --prompts "${REGEN_PROMPTS:-1024}" --batch 512 --max-tokens "${MAX_NEW:-128}" \
     ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} --profile "${PROFILE:-0}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;

@@ -92,14 +92,14 @@ def dense_ttt_attention(drafter: nn.Module) -> Iterator[None]:
     """TTT attention without flex_attention inside: the same figures with no kernel to
     compile (held-out evaluation: its gradient-free forward would compile one per TTT step
     and shape, 113 s on the H200 for a 135M target's drafter)."""
-    layers = [m for m in drafter.modules() if isinstance(m, Eagle3Attention)]
+    layers = {m: m.allow_flex for m in drafter.modules() if isinstance(m, Eagle3Attention)}
     for m in layers:
         m.allow_flex = False
     try:
         yield
     finally:
-        for m in layers:
-            m.allow_flex = True
+        for m, allowed in layers.items():
+            m.allow_flex = allowed
 
 
 def use_flex(x: torch.Tensor) -> bool:
