@@ -5,6 +5,7 @@ server's own request counts), secrets, and local batched generation."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_env, eagletrain, eagletrain_background, write_conversations
+from conftest import cli_env, eagletrain, eagletrain_background, status_json, write_conversations
 
 from eagletrain.config import RegenerateConfig
 from eagletrain.fault_server import FaultPlan, FaultServer, conversation_id
@@ -239,6 +240,43 @@ def test_sigkill_mid_regeneration_resends_nothing_finished(tmp_path: Path, base_
     assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] == 120
 
 
+def test_first_sigint_finishes_open_conversations_and_starts_none(tmp_path: Path, base_config: str):
+    """A stop (`timeout -s INT`) lets the conversations already sent finish, since a
+    conversation's turns are stored only once it is whole, and starts no new one: every
+    conversation the server saw is in the ledger; the stage reads stopped and a rerun
+    sends only the rest."""
+    source = unique_conversations(tmp_path / "conv.jsonl", 200, seed=13)
+    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    run = tmp_path / "run"
+    with FaultServer(FaultPlan(latency_s=0.1, seed=3)) as server:
+        config = regen_config(tmp_path, base, fast_regen(server.base_url, timeout_s=5.0))
+        proc = eagletrain_background(
+            "data", config, "--run-dir", run, env=cli_env(), log=tmp_path / "log"
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] >= 20:
+                    break
+            except sqlite3.OperationalError:
+                pass
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        rows = ledger_rows(run, "SELECT messages FROM regenerated")
+        finished = {conversation_id(json.loads(m)) for (m,) in rows}
+        seen = set(server.stats.requested)
+        assert 20 <= len(finished) < 200
+        assert seen == finished, (len(seen), len(finished))  # nothing sent was left unfinished, nothing new was begun
+        assert status_json(run)["data"]["verdict"] == "stopped"
+        server.stats.requested.clear()
+        result = eagletrain("data", config, "--run-dir", run, env=cli_env())
+        resent = finished & set(server.stats.requested)
+    assert result.returncode == 0, result.stderr
+    assert not resent
+    assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] == 200
+
+
 def test_local_regeneration_left_padded_batches_equal_one_by_one(tiny_target: Path):
     from eagletrain.regen_local import LocalGenerator
     from eagletrain.target import TargetSource, load_target, load_tokenizer
@@ -337,6 +375,48 @@ def test_local_regeneration_batches_waiting_requests_by_length(tiny_target: Path
     assert [len(b) for b in recorder.batches] == [3, 3, 1]  # all seven, at most 3 a batch
     # grouped: each batch's longest prompt is no longer than the next batch's shortest
     assert all(a[-1] <= b[0] for a, b in zip(recorder.batches, recorder.batches[1:], strict=False))
+
+
+@pytest.mark.parametrize("in_flight_batches", [1, 3])
+def test_local_regeneration_groups_lengths_over_the_whole_in_flight_pool(
+    tmp_path: Path, tiny_target: Path, in_flight_batches: int
+):
+    """The stage keeps `batch_size * in_flight_batches` conversations open, so each batch is
+    cut from a pool that many conversations wide: with a pool of 3 batches, the first
+    three batches are sorted by length across all nine; with a pool of one batch, only
+    within each batch (arrival order between them)."""
+    from eagletrain.conversations import Record
+    from eagletrain.ledger import Ledger
+    from eagletrain.regen_local import LocalGenerator
+    from eagletrain.regenerate import regenerate_all
+    from eagletrain.target import TargetSource, load_target, load_tokenizer
+
+    source = TargetSource(tiny_target, "tiny")
+    tokenizer, model = load_tokenizer(source), load_target(source, "float32", "cpu")
+    words = [40, 2, 30, 25, 1, 12, 3, 35, 8]  # long and short prompts interleaved
+    records = [
+        Record(
+            f"r{i}", [{"role": "user", "content": "w " * n}, {"role": "assistant", "content": "x"}]
+        )
+        for i, n in enumerate(words)
+    ]
+    recorder = PromptLengthRecorder(model)
+    cfg = RegenerateConfig(max_tokens=4, batch_size=3, in_flight_batches=in_flight_batches)
+    ledger = Ledger(tmp_path, create=True)
+
+    async def run_all() -> None:
+        async with LocalGenerator(recorder, tokenizer, cfg) as gen:
+            assert gen.in_flight == 3 * in_flight_batches
+            await regenerate_all(
+                records, gen, ledger, lambda _: True, gen.in_flight, lambda *_: None
+            )
+
+    asyncio.run(run_all())
+    first = recorder.batches[:3]
+    assert sum(len(b) for b in recorder.batches) == len(records)
+    assert ledger.conn.execute("SELECT COUNT(*) FROM regenerated").fetchone()[0] == len(records)
+    sorted_across = all(a[-1] <= b[0] for a, b in itertools.pairwise(first))
+    assert sorted_across == (in_flight_batches == 3)
 
 
 class OutOfMemoryAbove:

@@ -59,6 +59,11 @@ class RegenerateConfig(Section):
     # replies cut off by max_tokens (finish_reason "length"): keep them, or skip the sample
     on_length: Literal["keep", "drop"] = "keep"
     batch_size: int = Field(16, ge=1)  # local mode: conversations generated together
+    # local mode: conversations open at once, in batches: the pool each length-grouped batch
+    # is drawn from. A left-padded batch attends its longest row's width, so a larger pool
+    # pads less (ShareGPT first turns, batch 512: pool 1,024 attends 2.5x the real tokens,
+    # 8,192 1.3x); the cost is a longer tail of small batches at the end of the source
+    in_flight_batches: int = Field(2, ge=1)
     # local mode: transformers' KV cache for generate ("static" pre-allocates, for GPUs;
     # generated uncompiled: each batch has its own shapes)
     kv_cache: Literal["dynamic", "static"] = "dynamic"

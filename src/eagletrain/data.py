@@ -7,8 +7,10 @@ chunks (safetensors) and marked done after the chunk is durable.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from eagletrain.faults import inject_delay
 from eagletrain.progress import stage_progress
 from eagletrain.rundir import Run
 from eagletrain.shards import IndexEntry, remove_unfinished, sample_checksum, write_shard
+from eagletrain.stop_request import StopRequest
 from eagletrain.target import load_tokenizer, resolve_target, template_hash
 from eagletrain.verify import finalize_items_stage
 from eagletrain.worker import WorkerSession
@@ -197,25 +200,31 @@ def _regenerate_and_tokenize(
         source = resolve_target(run.config.target)
         model = load_target(source, run.config.target.dtype, pick_device(run.config.target.device))
         backend: Any = LocalGenerator(model, tokenizer, cfg.regen, run.config.run.seed)
-        in_flight = 2 * cfg.regen.batch_size
+        in_flight = backend.in_flight
     else:
         from eagletrain.regen_client import ChatClient
 
         backend = ChatClient(cfg.regen, run.config.run.seed)
         in_flight = 2 * cfg.regen.concurrency
 
-    async def main() -> None:
+    async def main(records: Iterable[Record]) -> None:
         async with backend:
-            await regenerate_all(to_send, backend, run.ledger, fits, in_flight, on_result)
+            await regenerate_all(records, backend, run.ledger, fits, in_flight, on_result)
 
-    try:
-        asyncio.run(main())
-    finally:
-        writer.flush()  # whatever finished is kept, even when the server made us stop
-        totals = {**run.ledger.regen_totals(), "requests": backend.requests}
-        if getattr(backend, "memory_splits", 0):
-            totals["memory_splits"] = backend.memory_splits
-        run.ledger.update_detail(STAGE, regeneration=totals)
+    # a first SIGINT/SIGTERM starts no new conversation and lets the open ones finish (their
+    # turns so far would be lost otherwise: only whole conversations are stored); a second
+    # stops at once
+    with StopRequest() as stop:
+        try:
+            asyncio.run(main(itertools.takewhile(lambda _: not stop.requested, to_send)))
+        finally:
+            writer.flush()  # whatever finished is kept, even when the server made us stop
+            totals = {**run.ledger.regen_totals(), "requests": backend.requests}
+            if getattr(backend, "memory_splits", 0):
+                totals["memory_splits"] = backend.memory_splits
+            run.ledger.update_detail(STAGE, regeneration=totals)
+        if stop.requested:
+            raise KeyboardInterrupt  # stopped, resumable: the rest is still pending
 
 
 def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:

@@ -58,6 +58,11 @@ class LocalGenerator:
         allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
         return sdpa_kernel(allowed)
 
+    @property
+    def in_flight(self) -> int:
+        """Conversations to keep open: the waiting pool that batches are grouped from."""
+        return self.cfg.batch_size * self.cfg.in_flight_batches
+
     async def __aenter__(self) -> LocalGenerator:
         self._worker = asyncio.create_task(self._serve())
         return self

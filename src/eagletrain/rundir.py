@@ -47,6 +47,7 @@ OPERATIONAL_KEYS = {
             "circuit_cooldown_s",
             "circuit_max_trips",
             "batch_size",
+            "in_flight_batches",
             "kv_cache",
             "attention",
             "sdpa_cudnn",
