@@ -16,8 +16,9 @@
 #                 relocatable, tests/test_kill_resume.py)
 #   PHASE=regen   bench/regen_local.py: local regeneration tokens/s per generator
 #                 configuration (REGEN_CONFIGS, KV/ATTENTION/SDPA: the stage's generator
-#                 before packed-gqa first); PROFILE=N first profiles one batch of N new
-#                 tokens (the top operators)
+#                 before packed-gqa first); ARRIVAL=1 also cuts batches in arrival order,
+#                 against the whole pool grouped by length; PROFILE=N first profiles one
+#                 batch of N new tokens (the top operators)
 #   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
 #                 (ENGINES, default compiled,static,eager);
 #                 ENGINE_PROFILE=chain profiles a chain decode on each engine
@@ -118,7 +119,7 @@ regen)
   # local regeneration tokens/s per generator configuration (KV cache, attention, SDPA)
   timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
     --dtype bfloat16 --prompts "${REGEN_PROMPTS:-1024}" --batch 512 --max-tokens "${MAX_NEW:-128}" \
-    ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} --profile "${PROFILE:-0}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
+    ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} ${ARRIVAL:+--arrival} --profile "${PROFILE:-0}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
   # compiled first: the engine served, and the one a time limit must not cut (sixth part)

@@ -16,7 +16,9 @@ length-grouped batches, per generator configuration KV/ATTENTION/SDPA:
 Prompts longer than --max-length tokens are left out (the stage skips them too). Each
 configuration runs one untimed batch first (first-call setup). Prints a table, then
 `regen_speedup=<x>`: the fastest configuration over the first (the baseline: the stage's
-generator before packed-gqa). With `--profile N`, one batch of N new tokens a row runs
+generator before packed-gqa); with `--arrival`, then `pool_speedup=<x>`: batches grouped by
+length over all --prompts (the stage's pool) against batches cut in arrival order.
+With `--profile N`, one batch of N new tokens a row runs
 under torch.profiler first and the operators that took the most time are printed.
 """
 
@@ -167,6 +169,11 @@ def main() -> None:
     best = max(specs[1:] or specs, key=lambda spec: rates[spec, "grouped"])
     print(f"best: {best} against {specs[0]}")
     print(f"regen_speedup={rates[best, 'grouped'] / rates[specs[0], 'grouped']:.2f}")
+    if not args.arrival:
+        return
+    # the whole --prompts pool sorted by length against batches cut in arrival order (the
+    # pool the data stage draws from is in_flight_batches x batch_size conversations)
+    print(f"pool_speedup={rates[best, 'grouped'] / rates[best, 'arrival']:.2f}")
 
 
 if __name__ == "__main__":
