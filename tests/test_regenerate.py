@@ -267,7 +267,10 @@ def test_first_sigint_finishes_open_conversations_and_starts_none(tmp_path: Path
         finished = {conversation_id(json.loads(m)) for (m,) in rows}
         seen = set(server.stats.requested)
         assert 20 <= len(finished) < 200
-        assert seen == finished, (len(seen), len(finished))  # nothing sent was left unfinished, nothing new was begun
+        assert seen == finished, (
+            len(seen),
+            len(finished),
+        )  # nothing sent was left unfinished, nothing new was begun
         assert status_json(run)["data"]["verdict"] == "stopped"
         server.stats.requested.clear()
         result = eagletrain("data", config, "--run-dir", run, env=cli_env())
@@ -275,6 +278,28 @@ def test_first_sigint_finishes_open_conversations_and_starts_none(tmp_path: Path
     assert result.returncode == 0, result.stderr
     assert not resent
     assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] == 200
+
+
+def test_a_stop_after_every_conversation_was_sent_still_completes_the_stage(
+    tmp_path: Path, base_config: str
+):
+    """20 conversations fit the 32 kept open: all are sent before the first reply, so a
+    stop then ends nothing early and the stage finishes and verifies as usual."""
+    source = unique_conversations(tmp_path / "conv.jsonl", 20, seed=14)
+    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    run = tmp_path / "run"
+    with FaultServer(FaultPlan(latency_s=0.3, seed=4)) as server:
+        config = regen_config(tmp_path, base, fast_regen(server.base_url, timeout_s=5.0))
+        proc = eagletrain_background(
+            "data", config, "--run-dir", run, env=cli_env(), log=tmp_path / "log"
+        )
+        deadline = time.time() + 120
+        while not server.stats.requested and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "log").read_text()[-500:]
+    assert status_json(run)["data"]["verdict"] == "done"
+    assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] == 20
 
 
 def test_local_regeneration_left_padded_batches_equal_one_by_one(tiny_target: Path):

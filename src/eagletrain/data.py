@@ -7,10 +7,9 @@ chunks (safetensors) and marked done after the chunk is durable.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -214,16 +213,26 @@ def _regenerate_and_tokenize(
     # a first SIGINT/SIGTERM starts no new conversation and lets the open ones finish (their
     # turns so far would be lost otherwise: only whole conversations are stored); a second
     # stops at once
+    held_back: list[Record] = []
+
+    def admitted(stop: StopRequest) -> Iterator[Record]:
+        for i, record in enumerate(to_send):
+            if stop.requested:
+                held_back.extend(to_send[i:])
+                return
+            yield record
+
     with StopRequest() as stop:
         try:
-            asyncio.run(main(itertools.takewhile(lambda _: not stop.requested, to_send)))
+            asyncio.run(main(admitted(stop)))
         finally:
             writer.flush()  # whatever finished is kept, even when the server made us stop
             totals = {**run.ledger.regen_totals(), "requests": backend.requests}
             if getattr(backend, "memory_splits", 0):
                 totals["memory_splits"] = backend.memory_splits
             run.ledger.update_detail(STAGE, regeneration=totals)
-        if stop.requested:
+        # a stop that came after the last conversation was sent ends nothing early
+        if held_back:
             raise KeyboardInterrupt  # stopped, resumable: the rest is still pending
 
 
