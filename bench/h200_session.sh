@@ -83,8 +83,8 @@ data)
     mkdir -p /tmp/q && cat .carry/r/rundata.tgz.* | tar -C /tmp/q -xzf - || exit 1
     python3 -m eagletrain status /tmp/q | head -3 | tee $OUT/restored.log
   fi
-  # at DATA_S a first SIGINT: no new conversation, the open ones finish (only whole ones are
-  # stored); DRAIN_S later a second: stop now. Then the run's data stage comes back
+  # at DATA_S a first SIGINT: no new conversation, the open ones finish; DRAIN_S later a
+  # second: stop now (finished turns are kept). Then the run's data stage comes back
   python3 -m eagletrain data $CFG --run-dir /tmp/q "${SETS[@]}" > /tmp/data_call.log 2>&1 &
   pid=$!
   ( sleep "${DATA_S:-420}"; kill -INT $pid; sleep "${DRAIN_S:-120}"; kill -INT $pid ) >/dev/null 2>&1 &

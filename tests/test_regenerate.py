@@ -20,7 +20,7 @@ from conftest import cli_env, eagletrain, eagletrain_background, status_json, wr
 from eagletrain.config import RegenerateConfig
 from eagletrain.fault_server import FaultPlan, FaultServer, conversation_id
 from eagletrain.regen_client import ChatClient, RegenerationAborted, RequestFailed
-from eagletrain.regenerate import regenerate_conversation
+from eagletrain.regenerate import Regenerated, regenerate_conversation
 
 SECRET = "sk-test-7f3a9c1e5b2d4f60-do-not-leak"
 
@@ -300,6 +300,90 @@ def test_a_stop_after_every_conversation_was_sent_still_completes_the_stage(
         assert proc.wait(timeout=60) == 0, (tmp_path / "log").read_text()[-500:]
     assert status_json(run)["data"]["verdict"] == "done"
     assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] == 20
+
+
+def test_a_resumed_conversation_sends_only_its_remaining_turns():
+    messages = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "old 1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "old 2"},
+        {"role": "user", "content": "q3"},
+        {"role": "assistant", "content": "old 3"},
+    ]
+    saved: list[dict] = []
+
+    async def go(url: str, resume=None):
+        async with ChatClient(fast_regen(url)) as client:
+            return await regenerate_conversation(
+                messages,
+                client,
+                lambda _h: True,
+                resume,
+                lambda r: saved.append(json.loads(json.dumps(r.row()))),
+            )
+
+    with FaultServer(FaultPlan()) as server:
+        whole = asyncio.run(go(server.base_url))
+        assert len(saved) == 3  # one save a turn
+        server.stats.answered.clear()
+        resumed = asyncio.run(go(server.base_url, Regenerated.from_row(saved[0])))
+        conv = conversation_id(messages)
+        assert set(server.stats.answered) == {(conv, 1), (conv, 2)}
+    assert resumed.row() == whole.row()
+
+
+def test_sigkill_loses_only_the_turns_in_flight(tmp_path: Path, base_config: str):
+    """Each regenerated turn is stored as it comes: after a SIGKILL and a rerun, a turn is
+    answered twice only if it was in flight at the kill (at most `concurrency` of them),
+    and every stored turn is the reply to its regenerated history."""
+    from eagletrain.fault_server import reply_text
+
+    source = tmp_path / "conv.jsonl"
+    lines = []
+    for i in range(120):
+        turns = []
+        for t in range(5):
+            turns += [
+                {"from": "human", "value": f"c{i} q{t}"},
+                {"from": "gpt", "value": "old"},
+            ]
+        lines.append(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
+    source.write_text("".join(lines))
+    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    base = base.replace("max_length = 96", "max_length = 1024")  # all five turns fit
+    run = tmp_path / "run"
+    plan = FaultPlan(latency_s=0.2, seed=5)
+    with FaultServer(plan) as server:
+        regen = fast_regen(server.base_url, timeout_s=5.0)
+        config = regen_config(tmp_path, base, regen)
+        proc = eagletrain_background(
+            "data", config, "--run-dir", run, env=cli_env(), log=tmp_path / "log"
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:  # some conversations whole, more part-way
+                if ledger_rows(run, "SELECT COUNT(*) FROM regen_partial")[0][0] >= 16:
+                    break
+            except sqlite3.OperationalError:
+                pass
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert ledger_rows(run, "SELECT COUNT(*) FROM regen_partial")[0][0] >= 16
+        result = eagletrain("data", config, "--run-dir", run, env=cli_env())
+        answered = dict(server.stats.answered)
+    assert result.returncode == 0, result.stderr
+    assert len(answered) == 120 * 5
+    twice = sum(n - 1 for n in answered.values())
+    assert twice <= regen.concurrency, twice
+    assert ledger_rows(run, "SELECT COUNT(*) FROM regen_partial")[0][0] == 0
+    for (messages,) in ledger_rows(run, "SELECT messages FROM regenerated"):
+        messages = json.loads(messages)
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                history = [{"role": h["role"], "content": h["content"]} for h in messages[:i]]
+                assert m["content"] == reply_text(history, plan.reply_words)
 
 
 def test_local_regeneration_left_padded_batches_equal_one_by_one(tiny_target: Path):

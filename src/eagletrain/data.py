@@ -210,9 +210,9 @@ def _regenerate_and_tokenize(
         async with backend:
             await regenerate_all(records, backend, run.ledger, fits, in_flight, on_result)
 
-    # a first SIGINT/SIGTERM starts no new conversation and lets the open ones finish (their
-    # turns so far would be lost otherwise: only whole conversations are stored); a second
-    # stops at once
+    # a first SIGINT/SIGTERM starts no new conversation and lets the open ones finish, so
+    # their samples are written; a second stops at once (their finished turns are kept in
+    # the ledger and the next run goes on from them)
     held_back: list[Record] = []
 
     def admitted(stop: StopRequest) -> Iterator[Record]:

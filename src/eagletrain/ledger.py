@@ -102,8 +102,9 @@ CREATE TABLE IF NOT EXISTS shards(
     PRIMARY KEY(stage, name)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
--- regenerated conversations, durable as each one finishes, so a restart re-sends nothing
--- that was answered; tokenization into data/ chunks happens after
+-- regenerated conversations, durable as each one finishes (and regen_partial below as each
+-- turn does), so a restart re-sends nothing that was answered; tokenization into data/
+-- chunks happens after
 CREATE TABLE IF NOT EXISTS regenerated(
     key TEXT PRIMARY KEY,
     messages TEXT NOT NULL,          -- JSON list of {role, content[, reasoning_content]}
@@ -113,6 +114,11 @@ CREATE TABLE IF NOT EXISTS regenerated(
     completion_tokens INTEGER NOT NULL,
     cost REAL NOT NULL,
     at REAL NOT NULL
+) WITHOUT ROWID;
+-- a conversation's regenerated turns so far (Regenerated.row()), replaced after each turn
+-- and dropped when the conversation is whole: a stop or crash loses only turns in flight
+CREATE TABLE IF NOT EXISTS regen_partial(
+    key TEXT PRIMARY KEY, row TEXT NOT NULL, at REAL NOT NULL
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS regen_totals(
     id INTEGER PRIMARY KEY CHECK (id = 0),
@@ -348,6 +354,7 @@ class Ledger:
                     time.time(),
                 ),
             )
+            c.execute("DELETE FROM regen_partial WHERE key=?", (key,))
             if cur.rowcount == 1:
                 c.execute(
                     "UPDATE regen_totals SET conversations=conversations+1, turns=turns+?, "
@@ -361,6 +368,17 @@ class Ledger:
                         row["cost"],
                     ),
                 )
+
+    def save_partial(self, key: str, row: dict[str, Any]) -> None:
+        """Store the turns of a conversation regenerated so far (replacing the last save)."""
+        self.conn.execute(
+            "INSERT OR REPLACE INTO regen_partial VALUES(?,?,?)",
+            (key, json.dumps(row, ensure_ascii=False), time.time()),
+        )
+
+    def partial(self, key: str) -> dict[str, Any] | None:
+        row = self.conn.execute("SELECT row FROM regen_partial WHERE key=?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
 
     def regenerated(self, key: str) -> dict[str, Any] | None:
         row = self.conn.execute(

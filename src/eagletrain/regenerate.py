@@ -6,8 +6,9 @@ reply's reasoning (`reasoning_content`) is kept beside its content, so the chat 
 can place it; it is not sent back in the history. Turns whose prompt no longer fits
 `data.max_length` are dropped with everything after them: training would trim them anyway.
 
-Each finished conversation is stored in the ledger before anything else happens to it, so
-a killed run re-sends only the conversations that were not finished.
+Each finished conversation is stored in the ledger before anything else happens to it, and
+each regenerated turn of an unfinished one as it comes, so a killed run re-sends only the
+turns that were in flight.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class Regenerated:
             "cost": self.cost,
         }
 
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Regenerated:
+        fields = ("messages", "finish_reasons", "prompt_tokens", "completion_tokens", "cost")
+        return cls(**{k: row[k] for k in fields if k in row})
+
 
 def _history(messages: list[Message]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -60,10 +66,15 @@ async def regenerate_conversation(
     messages: list[Message],
     backend: Backend,
     fits: Callable[[list[dict[str, str]]], bool],
+    resume: Regenerated | None = None,
+    on_turn: Callable[[Regenerated], None] | None = None,
 ) -> Regenerated:
-    """Raises RequestFailed with a short reason when a turn cannot be regenerated."""
-    out = Regenerated([])
-    for message in messages:
+    """Raises RequestFailed with a short reason when a turn cannot be regenerated.
+
+    `resume` holds turns regenerated earlier (its messages replace a prefix of `messages`);
+    `on_turn` sees the conversation so far after each new turn, to store it."""
+    out = resume or Regenerated([])
+    for message in messages[len(out.messages) :]:
         if message["role"] != "assistant":
             out.messages.append(dict(message))
             continue
@@ -83,6 +94,8 @@ async def regenerate_conversation(
         out.prompt_tokens += reply.prompt_tokens
         out.completion_tokens += reply.completion_tokens
         out.cost += reply.cost
+        if on_turn is not None:
+            on_turn(out)
     while out.messages and out.messages[-1]["role"] != "assistant":
         out.messages.pop()  # a question with no reply teaches nothing
     if not out.finish_reasons:
@@ -111,8 +124,16 @@ async def regenerate_all(
     An abort (circuit breaker, bad credentials) cancels the rest and propagates."""
 
     async def one(record: Record) -> tuple[Record, Regenerated | None, str | None]:
+        stored = ledger.partial(record.key)
+        resume = Regenerated.from_row(stored) if stored is not None else None
+
+        def on_turn(so_far: Regenerated) -> None:
+            ledger.save_partial(record.key, so_far.row())
+
         try:
-            regenerated = await regenerate_conversation(record.messages or [], backend, fits)
+            regenerated = await regenerate_conversation(
+                record.messages or [], backend, fits, resume, on_turn
+            )
         except NothingToRegenerate as err:  # not a failure: retrying cannot help
             return record, None, f"skip: {err}"
         except RequestFailed as err:
