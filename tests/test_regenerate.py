@@ -370,7 +370,9 @@ def test_sigkill_loses_only_the_turns_in_flight(tmp_path: Path, base_config: str
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        assert ledger_rows(run, "SELECT COUNT(*) FROM regen_partial")[0][0] >= 16
+        part_way = ledger_rows(run, "SELECT COUNT(*) FROM regen_partial")[0][0]
+        assert part_way >= 16
+        assert status_json(run)["data"]["regeneration"]["part_way"] == part_way
         result = eagletrain("data", config, "--run-dir", run, env=cli_env())
         answered = dict(server.stats.answered)
     assert result.returncode == 0, result.stderr

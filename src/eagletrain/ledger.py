@@ -380,6 +380,13 @@ class Ledger:
         row = self.conn.execute("SELECT row FROM regen_partial WHERE key=?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
 
+    def partial_count(self) -> int:
+        """Conversations with some turns regenerated and more to go."""
+        try:
+            return int(self.conn.execute("SELECT COUNT(*) FROM regen_partial").fetchone()[0])
+        except sqlite3.OperationalError:  # a ledger from before per-turn saves
+            return 0
+
     def regenerated(self, key: str) -> dict[str, Any] | None:
         row = self.conn.execute(
             "SELECT messages, finish_reasons, truncated FROM regenerated WHERE key=?", (key,)

@@ -115,8 +115,13 @@ def stage_status(ledger: Ledger, stage: str, now: float | None = None) -> StageS
         st.done = row["units_done"]
     if stage == "data":
         totals = ledger.regen_totals()
-        if totals.get("conversations"):
-            st.regeneration = {**totals, "awaiting_chunk": ledger.regenerated_pending()}
+        part_way = ledger.partial_count()
+        if totals.get("conversations") or part_way:
+            st.regeneration = {
+                **totals,
+                "awaiting_chunk": ledger.regenerated_pending(),
+                "part_way": part_way,
+            }
 
     latest: dict[str, dict[str, Any]] = {}
     for w in ledger.workers(stage):
@@ -223,6 +228,7 @@ def format_line(st: StageStatus) -> str:
             f"{r['truncated']} truncated), {r['prompt_tokens']} prompt + "
             f"{r['completion_tokens']} completion tokens, cost {r['cost']:.4f}"
             + (f"; {r['awaiting_chunk']} awaiting their chunk" if r["awaiting_chunk"] else "")
+            + (f"; {r['part_way']} part-way" if r.get("part_way") else "")
         )
     for reason, n in sorted(st.reasons.items()):
         line += f"\n{'':10}{n} x {reason}"
