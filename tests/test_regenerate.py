@@ -67,6 +67,26 @@ def regen_config(tmp_path: Path, base: str, regen: RegenerateConfig, mode: str =
     return path
 
 
+def with_source(base_config: str, source: Path) -> str:
+    return base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+
+
+def data_in_background(config: Path, run: Path, log: Path, count_sql: str, at_least: int, env=None):
+    """`eagletrain data` started as a background job, returned once `count_sql` on its
+    ledger reaches `at_least` (or after 120 s)."""
+    env = env or cli_env()
+    proc = eagletrain_background("data", config, "--run-dir", run, env=env, log=log)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if ledger_rows(run, count_sql)[0][0] >= at_least:
+                break
+        except sqlite3.OperationalError:  # the ledger or its table is not there yet
+            pass
+        time.sleep(0.05)
+    return proc
+
+
 @pytest.fixture
 def base_config(tiny_config: Path) -> str:
     return tiny_config.read_text()
@@ -160,7 +180,7 @@ def test_500_conversations_with_30_percent_faults(tmp_path: Path, base_config: s
     source = unique_conversations(tmp_path / "conv.jsonl", 500, seed=11)
     with source.open("a") as f:  # ten repeats: items skipped as duplicates, still counted
         f.writelines(source.read_text().splitlines(keepends=True)[:10])
-    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    base = with_source(base_config, source)
     run = tmp_path / "run"
     plan = FaultPlan(fault_rate=0.3, stall_s=0.6, api_key=SECRET, seed=5)
     with FaultServer(plan) as server:
@@ -202,26 +222,13 @@ def test_500_conversations_with_30_percent_faults(tmp_path: Path, base_config: s
 
 def test_sigkill_mid_regeneration_resends_nothing_finished(tmp_path: Path, base_config: str):
     source = unique_conversations(tmp_path / "conv.jsonl", 120, seed=12)
-    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    base = with_source(base_config, source)
     run = tmp_path / "run"
     with FaultServer(FaultPlan(fault_rate=0.3, stall_s=0.6, seed=9)) as server:
         config = regen_config(tmp_path, base, fast_regen(server.base_url, max_retries=8))
         env = cli_env(EAGLETRAIN_FAULT_DELAY="data:0.05")
-        proc = eagletrain_background(
-            "data", config, "--run-dir", run, env=env, log=tmp_path / "log"
-        )
-
-        def saved() -> int:
-            if not (run / "ledger.sqlite").exists():
-                return 0
-            try:
-                return ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0]
-            except sqlite3.OperationalError:
-                return 0
-
-        deadline = time.time() + 120
-        while saved() < 30 and time.time() < deadline:
-            time.sleep(0.1)
+        count = "SELECT COUNT(*) FROM regenerated"
+        proc = data_in_background(config, run, tmp_path / "log", count, 30, env)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         rows = ledger_rows(run, "SELECT key, messages FROM regenerated")
@@ -241,36 +248,25 @@ def test_sigkill_mid_regeneration_resends_nothing_finished(tmp_path: Path, base_
 
 
 def test_first_sigint_finishes_open_conversations_and_starts_none(tmp_path: Path, base_config: str):
-    """A stop (`timeout -s INT`) lets the conversations already sent finish, since a
-    conversation's turns are stored only once it is whole, and starts no new one: every
-    conversation the server saw is in the ledger; the stage reads stopped and a rerun
-    sends only the rest."""
+    """A stop (`timeout -s INT`) lets the conversations already sent finish, so their
+    samples are written, and starts no new one: every conversation the server saw is in
+    the ledger; the stage reads stopped and a rerun sends only the rest."""
     source = unique_conversations(tmp_path / "conv.jsonl", 200, seed=13)
-    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    base = with_source(base_config, source)
     run = tmp_path / "run"
     with FaultServer(FaultPlan(latency_s=0.1, seed=3)) as server:
         config = regen_config(tmp_path, base, fast_regen(server.base_url, timeout_s=5.0))
-        proc = eagletrain_background(
-            "data", config, "--run-dir", run, env=cli_env(), log=tmp_path / "log"
+        proc = data_in_background(
+            config, run, tmp_path / "log", "SELECT COUNT(*) FROM regenerated", 20
         )
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] >= 20:
-                    break
-            except sqlite3.OperationalError:
-                pass
-            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130
         rows = ledger_rows(run, "SELECT messages FROM regenerated")
         finished = {conversation_id(json.loads(m)) for (m,) in rows}
         seen = set(server.stats.requested)
         assert 20 <= len(finished) < 200
-        assert seen == finished, (
-            len(seen),
-            len(finished),
-        )  # nothing sent was left unfinished, nothing new was begun
+        # nothing sent was left unfinished, nothing new was begun
+        assert seen == finished, (len(seen), len(finished))
         assert status_json(run)["data"]["verdict"] == "stopped"
         server.stats.requested.clear()
         result = eagletrain("data", config, "--run-dir", run, env=cli_env())
@@ -286,7 +282,7 @@ def test_a_stop_after_every_conversation_was_sent_still_completes_the_stage(
     """20 conversations fit the 32 kept open: all are sent before the first reply, so a
     stop then ends nothing early and the stage finishes and verifies as usual."""
     source = unique_conversations(tmp_path / "conv.jsonl", 20, seed=14)
-    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    base = with_source(base_config, source)
     run = tmp_path / "run"
     with FaultServer(FaultPlan(latency_s=0.3, seed=4)) as server:
         config = regen_config(tmp_path, base, fast_regen(server.base_url, timeout_s=5.0))
@@ -350,24 +346,17 @@ def test_sigkill_loses_only_the_turns_in_flight(tmp_path: Path, base_config: str
             ]
         lines.append(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
     source.write_text("".join(lines))
-    base = base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
+    base = with_source(base_config, source)
     base = base.replace("max_length = 96", "max_length = 1024")  # all five turns fit
     run = tmp_path / "run"
     plan = FaultPlan(latency_s=0.2, seed=5)
     with FaultServer(plan) as server:
-        regen = fast_regen(server.base_url, timeout_s=5.0)
+        # a generous timeout: a retried request (answered twice) is not what this counts
+        regen = fast_regen(server.base_url, timeout_s=60.0)
         config = regen_config(tmp_path, base, regen)
-        proc = eagletrain_background(
-            "data", config, "--run-dir", run, env=cli_env(), log=tmp_path / "log"
+        proc = data_in_background(  # some conversations whole, more part-way
+            config, run, tmp_path / "log", "SELECT COUNT(*) FROM regen_partial", 16
         )
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:  # some conversations whole, more part-way
-                if ledger_rows(run, "SELECT COUNT(*) FROM regen_partial")[0][0] >= 16:
-                    break
-            except sqlite3.OperationalError:
-                pass
-            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         part_way = ledger_rows(run, "SELECT COUNT(*) FROM regen_partial")[0][0]
