@@ -80,7 +80,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         plan, stats = self.server.plan, self.server.stats
         length = int(self.headers.get("Content-Length", 0))
-        request = json.loads(self.rfile.read(length) or b"{}")
+        body = self.rfile.read(length)
+        if len(body) < length:  # the client went away mid-request: nothing to answer
+            self.close_connection = True
+            return
+        request = json.loads(body or b"{}")
         with stats.lock:
             stats.requests += 1
             stats.auth_headers.add(self.headers.get("Authorization"))
