@@ -11,6 +11,7 @@ import os
 import signal
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,19 +72,21 @@ def with_source(base_config: str, source: Path) -> str:
     return base_config.replace(base_config.split('source = "')[1].split('"')[0], str(source))
 
 
-def data_in_background(config: Path, run: Path, log: Path, count_sql: str, at_least: int, env=None):
-    """`eagletrain data` started as a background job, returned once `count_sql` on its
-    ledger reaches `at_least` (or after 120 s)."""
+def ledger_count(run: Path, count_sql: str) -> int:
+    try:
+        return ledger_rows(run, count_sql)[0][0]
+    except sqlite3.OperationalError:  # the ledger or its table is not there yet
+        return 0
+
+
+def data_in_background(config: Path, run: Path, log: Path, until: Callable[[], bool], env=None):
+    """`eagletrain data` started as a background job, returned once `until()` holds (or
+    after 120 s)."""
     env = env or cli_env()
     proc = eagletrain_background("data", config, "--run-dir", run, env=env, log=log)
     deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if ledger_rows(run, count_sql)[0][0] >= at_least:
-                break
-        except sqlite3.OperationalError:  # the ledger or its table is not there yet
-            pass
-        time.sleep(0.05)
+    while not until() and time.time() < deadline:
+        time.sleep(0.02)
     return proc
 
 
@@ -227,8 +230,10 @@ def test_sigkill_mid_regeneration_resends_nothing_finished(tmp_path: Path, base_
     with FaultServer(FaultPlan(fault_rate=0.3, stall_s=0.6, seed=9)) as server:
         config = regen_config(tmp_path, base, fast_regen(server.base_url, max_retries=8))
         env = cli_env(EAGLETRAIN_FAULT_DELAY="data:0.05")
-        count = "SELECT COUNT(*) FROM regenerated"
-        proc = data_in_background(config, run, tmp_path / "log", count, 30, env)
+        saved = "SELECT COUNT(*) FROM regenerated"
+        proc = data_in_background(
+            config, run, tmp_path / "log", lambda: ledger_count(run, saved) >= 30, env
+        )
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         rows = ledger_rows(run, "SELECT key, messages FROM regenerated")
@@ -256,8 +261,9 @@ def test_first_sigint_finishes_open_conversations_and_starts_none(tmp_path: Path
     run = tmp_path / "run"
     with FaultServer(FaultPlan(latency_s=0.1, seed=3)) as server:
         config = regen_config(tmp_path, base, fast_regen(server.base_url, timeout_s=5.0))
+        saved = "SELECT COUNT(*) FROM regenerated"
         proc = data_in_background(
-            config, run, tmp_path / "log", "SELECT COUNT(*) FROM regenerated", 20
+            config, run, tmp_path / "log", lambda: ledger_count(run, saved) >= 20
         )
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130
@@ -286,12 +292,9 @@ def test_a_stop_after_every_conversation_was_sent_still_completes_the_stage(
     run = tmp_path / "run"
     with FaultServer(FaultPlan(latency_s=0.3, seed=4)) as server:
         config = regen_config(tmp_path, base, fast_regen(server.base_url, timeout_s=5.0))
-        proc = eagletrain_background(
-            "data", config, "--run-dir", run, env=cli_env(), log=tmp_path / "log"
+        proc = data_in_background(
+            config, run, tmp_path / "log", lambda: bool(server.stats.requested)
         )
-        deadline = time.time() + 120
-        while not server.stats.requested and time.time() < deadline:
-            time.sleep(0.02)
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0, (tmp_path / "log").read_text()[-500:]
     assert status_json(run)["data"]["verdict"] == "done"
@@ -354,12 +357,13 @@ def test_sigkill_loses_only_the_turns_in_flight(tmp_path: Path, base_config: str
         # a generous timeout: a retried request (answered twice) is not what this counts
         regen = fast_regen(server.base_url, timeout_s=60.0)
         config = regen_config(tmp_path, base, regen)
+        part_way_sql = "SELECT COUNT(*) FROM regen_partial"
         proc = data_in_background(  # some conversations whole, more part-way
-            config, run, tmp_path / "log", "SELECT COUNT(*) FROM regen_partial", 16
+            config, run, tmp_path / "log", lambda: ledger_count(run, part_way_sql) >= 16
         )
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        part_way = ledger_rows(run, "SELECT COUNT(*) FROM regen_partial")[0][0]
+        part_way = ledger_count(run, part_way_sql)
         assert part_way >= 16
         assert status_json(run)["data"]["regeneration"]["part_way"] == part_way
         result = eagletrain("data", config, "--run-dir", run, env=cli_env())
