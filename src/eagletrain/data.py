@@ -199,16 +199,14 @@ def _regenerate_and_tokenize(
         source = resolve_target(run.config.target)
         model = load_target(source, run.config.target.dtype, pick_device(run.config.target.device))
         backend: Any = LocalGenerator(model, tokenizer, cfg.regen, run.config.run.seed)
-        in_flight = backend.in_flight
     else:
         from eagletrain.regen_client import ChatClient
 
         backend = ChatClient(cfg.regen, run.config.run.seed)
-        in_flight = 2 * cfg.regen.concurrency
 
     async def main(records: Iterable[Record]) -> None:
         async with backend:
-            await regenerate_all(records, backend, run.ledger, fits, in_flight, on_result)
+            await regenerate_all(records, backend, run.ledger, fits, backend.in_flight, on_result)
 
     # a first SIGINT/SIGTERM starts no new conversation and lets the open ones finish, so
     # their samples are written; a second stops at once (their finished turns are kept in

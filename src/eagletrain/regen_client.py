@@ -130,6 +130,11 @@ class ChatClient:
         self.retries = 0
         self.requests = 0
 
+    @property
+    def in_flight(self) -> int:
+        """Conversations to keep open: enough to keep `concurrency` requests busy."""
+        return 2 * self.cfg.concurrency
+
     async def __aenter__(self) -> ChatClient:
         headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
         limits = httpx.Limits(max_connections=self.cfg.concurrency)

@@ -27,6 +27,9 @@ class Backend(Protocol):
     requests: int
     retries: int
 
+    @property
+    def in_flight(self) -> int: ...  # conversations worth keeping open
+
     async def complete(self, messages: list[dict[str, str]]) -> Completion: ...
 
 
