@@ -127,6 +127,18 @@ def test_changing_a_started_stage_config_is_refused(tiny_config: Path, tmp_path:
     assert "data.max_length" in result.stderr
 
 
+def test_target_dtype_is_fixed_once_a_stage_ran_the_target(tiny_config: Path, tmp_path: Path):
+    """The tiny data stage only tokenizes, so the dtype may still change before extraction;
+    once hidden states were made at one dtype, training at another is refused."""
+    run = tmp_path / "run"
+    assert eagletrain("data", tiny_config, "--run-dir", run).returncode == 0
+    wider = ["--set", "target.dtype=float64"]
+    assert eagletrain("extract", tiny_config, "--run-dir", run, *wider).returncode == 0
+    result = eagletrain("train", tiny_config, "--run-dir", run)
+    assert result.returncode == 2
+    assert "target.dtype" in result.stderr and "use a new --run-dir" in result.stderr
+
+
 def test_a_later_stage_refuses_another_target(tiny_config: Path, tmp_path: Path):
     """The data stage was made with one target; extracting or training with another (here
     the same architecture, other weights and a changed config) is refused, not mixed in."""

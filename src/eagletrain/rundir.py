@@ -55,6 +55,10 @@ OPERATIONAL_KEYS = {
     ),
 }
 
+# Where the target is, checked by identity instead (require_data_target): a run directory
+# and its model files may move between machines.
+TARGET_LOCATION_KEYS = {"target.model", "target.gguf_file"}
+
 
 @dataclass
 class Run:
@@ -66,6 +70,16 @@ class Run:
         p = self.dir.joinpath(*parts)
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
+
+
+def ran_target(config: Config, started: set[str]) -> bool:
+    """Whether a started stage ran the target's forward, whose dtype its output then carries
+    (regenerated replies, hidden states, the online training signal)."""
+    return (
+        ("data" in started and config.data.regenerate == "local")
+        or "extract" in started
+        or "train" in started
+    )
 
 
 def default_run_dir(config: Config) -> Path:
@@ -85,10 +99,11 @@ def open_run(config: Config, run_dir: Path | None) -> Run:
     if config_path.is_file():
         previous = load_config(config_path)
         started = {s for s in STAGES if ledger.stage_row(s) is not None}
+        fixed = started | ({"target"} if ran_target(previous, started) else set())
         conflicts = [
             k
             for k in config_diff(previous, config)
-            if k.split(".")[0] in started and k not in OPERATIONAL_KEYS
+            if k not in OPERATIONAL_KEYS | TARGET_LOCATION_KEYS and k.split(".")[0] in fixed
         ]
         if conflicts:
             raise ConfigError(
