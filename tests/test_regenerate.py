@@ -252,12 +252,43 @@ def test_sigkill_mid_regeneration_resends_nothing_finished(tmp_path: Path, base_
     assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] == 120
 
 
-def test_first_sigint_finishes_open_conversations_and_starts_none(tmp_path: Path, base_config: str):
-    """A stop (`timeout -s INT`) lets the conversations already sent finish, so their
-    samples are written, and starts no new one: every conversation the server saw is in
-    the ledger; the stage reads stopped and a rerun sends only the rest."""
-    source = unique_conversations(tmp_path / "conv.jsonl", 200, seed=13)
-    base = with_source(base_config, source)
+def multi_turn_conversations(path: Path, n: int, turns: int) -> Path:
+    lines = []
+    for i in range(n):
+        messages = []
+        for t in range(turns):
+            messages += [{"from": "human", "value": f"c{i} q{t}"}, {"from": "gpt", "value": "old"}]
+        lines.append(json.dumps({"id": f"c{i}", "conversations": messages}) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def stored_turns(run: Path) -> set[tuple[str, int]]:
+    """(conversation id, assistant turn) of every turn the ledger holds, whole conversations
+    and conversations part-way alike, as the fault server keys its answers."""
+    turns = set()
+    rows = ledger_rows(run, "SELECT messages FROM regenerated")
+    rows += [
+        (json.dumps(json.loads(r)["messages"]),)
+        for (r,) in ledger_rows(run, "SELECT row FROM regen_partial")
+    ]
+    for (text,) in rows:
+        messages = json.loads(text)
+        conv = conversation_id(messages)
+        replies = sum(m["role"] == "assistant" for m in messages)
+        turns.update((conv, i) for i in range(replies))
+    return turns
+
+
+def test_first_sigint_finishes_the_turns_in_flight_and_sends_no_new_one(
+    tmp_path: Path, base_config: str
+):
+    """A stop (`timeout -s INT`) lets the turns already sent finish and sends no new turn,
+    not even a conversation's next one: every turn the server answered is in the ledger
+    (conversations cut between turns kept part-way), the stage reads stopped, and a rerun
+    re-sends no stored turn and completes."""
+    source = multi_turn_conversations(tmp_path / "conv.jsonl", 200, turns=3)
+    base = with_source(base_config, source).replace("max_length = 96", "max_length = 1024")
     run = tmp_path / "run"
     with FaultServer(FaultPlan(latency_s=0.1, seed=3)) as server:
         config = regen_config(tmp_path, base, fast_regen(server.base_url, timeout_s=5.0))
@@ -267,27 +298,32 @@ def test_first_sigint_finishes_open_conversations_and_starts_none(tmp_path: Path
         )
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130
-        rows = ledger_rows(run, "SELECT messages FROM regenerated")
-        finished = {conversation_id(json.loads(m)) for (m,) in rows}
-        seen = set(server.stats.requested)
-        assert 20 <= len(finished) < 200
-        # nothing sent was left unfinished, nothing new was begun
-        assert seen == finished, (len(seen), len(finished))
+        stored = stored_turns(run)
+        answered = set(server.stats.answered)
+        assert 20 <= ledger_count(run, saved) < 200
+        # every answered turn was kept; conversations were left between turns, not finished
+        assert answered == stored, (len(answered), len(stored))
+        assert ledger_count(run, "SELECT COUNT(*) FROM regen_partial") > 0
         assert status_json(run)["data"]["verdict"] == "stopped"
-        server.stats.requested.clear()
+        server.stats.answered.clear()
         result = eagletrain("data", config, "--run-dir", run, env=cli_env())
-        resent = finished & set(server.stats.requested)
+        answered_again = stored & set(server.stats.answered)
     assert result.returncode == 0, result.stderr
-    assert not resent
+    assert not answered_again
     assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] == 200
+    assert ledger_count(run, "SELECT COUNT(*) FROM regen_partial") == 0
 
 
-def test_a_stop_after_every_conversation_was_sent_still_completes_the_stage(
+def test_a_stop_after_every_turn_was_sent_still_completes_the_stage(
     tmp_path: Path, base_config: str
 ):
-    """20 conversations fit the 32 kept open: all are sent before the first reply, so a
-    stop then ends nothing early and the stage finishes and verifies as usual."""
+    """20 one-turn conversations fit the 32 kept open: every turn is sent before the first
+    reply, so a stop then ends nothing early and the stage finishes and verifies."""
     source = unique_conversations(tmp_path / "conv.jsonl", 20, seed=14)
+    one_turn = [json.loads(line) for line in source.read_text().splitlines()]
+    for conv in one_turn:
+        conv["conversations"] = conv["conversations"][:2]
+    source.write_text("".join(json.dumps(c) + "\n" for c in one_turn))
     base = with_source(base_config, source)
     run = tmp_path / "run"
     with FaultServer(FaultPlan(latency_s=0.3, seed=4)) as server:
@@ -338,17 +374,7 @@ def test_sigkill_loses_only_the_turns_in_flight(tmp_path: Path, base_config: str
     and every stored turn is the reply to its regenerated history."""
     from eagletrain.fault_server import reply_text
 
-    source = tmp_path / "conv.jsonl"
-    lines = []
-    for i in range(120):
-        turns = []
-        for t in range(5):
-            turns += [
-                {"from": "human", "value": f"c{i} q{t}"},
-                {"from": "gpt", "value": "old"},
-            ]
-        lines.append(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
-    source.write_text("".join(lines))
+    source = multi_turn_conversations(tmp_path / "conv.jsonl", 120, turns=5)
     base = with_source(base_config, source)
     base = base.replace("max_length = 96", "max_length = 1024")  # all five turns fit
     run = tmp_path / "run"

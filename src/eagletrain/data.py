@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -204,14 +204,11 @@ def _regenerate_and_tokenize(
 
         backend = ChatClient(cfg.regen, run.config.run.seed)
 
-    async def main(records: Iterable[Record]) -> None:
-        async with backend:
-            await regenerate_all(records, backend, run.ledger, fits, backend.in_flight, on_result)
-
-    # a first SIGINT/SIGTERM starts no new conversation and lets the open ones finish, so
-    # their samples are written; a second stops at once (their finished turns are kept in
-    # the ledger and the next run goes on from them)
+    # a first SIGINT/SIGTERM sends no new turn: the turns in flight finish and are kept
+    # (per turn in the ledger, whole conversations as samples); a second stops at once,
+    # losing only the turns in flight. Either way the next run goes on from there.
     held_back: list[Record] = []
+    unfinished = 0
 
     def admitted(stop: StopRequest) -> Iterator[Record]:
         for i, record in enumerate(to_send):
@@ -220,17 +217,30 @@ def _regenerate_and_tokenize(
                 return
             yield record
 
+    async def main(stop: StopRequest) -> None:
+        nonlocal unfinished
+        async with backend:
+            unfinished = await regenerate_all(
+                admitted(stop),
+                backend,
+                run.ledger,
+                fits,
+                backend.in_flight,
+                on_result,
+                lambda: stop.requested,
+            )
+
     with StopRequest() as stop:
         try:
-            asyncio.run(main(admitted(stop)))
+            asyncio.run(main(stop))
         finally:
             writer.flush()  # whatever finished is kept, even when the server made us stop
             totals = {**run.ledger.regen_totals(), "requests": backend.requests}
             if getattr(backend, "memory_splits", 0):
                 totals["memory_splits"] = backend.memory_splits
             run.ledger.update_detail(STAGE, regeneration=totals)
-        # a stop that came after the last conversation was sent ends nothing early
-        if held_back:
+        # a stop that came once every turn was sent ends nothing early
+        if held_back or unfinished:
             raise KeyboardInterrupt  # stopped, resumable: the rest is still pending
 
 

@@ -8,7 +8,7 @@ can place it; it is not sent back in the history. Turns whose prompt no longer f
 
 Each finished conversation is stored in the ledger before anything else happens to it, and
 each regenerated turn of an unfinished one as it comes, so a killed run re-sends only the
-turns that were in flight.
+turns that were in flight, and a stop needs to wait for no more than those turns.
 """
 
 from __future__ import annotations
@@ -71,8 +71,10 @@ async def regenerate_conversation(
     fits: Callable[[list[dict[str, str]]], bool],
     resume: Regenerated | None = None,
     on_turn: Callable[[Regenerated], None] | None = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> Regenerated:
-    """Raises RequestFailed with a short reason when a turn cannot be regenerated.
+    """Raises RequestFailed with a short reason when a turn cannot be regenerated, and
+    Stopped before a turn is sent once `stopping()` holds.
 
     `resume` holds turns regenerated earlier (its messages replace a prefix of `messages`);
     `on_turn` sees the conversation so far after each new turn, to store it."""
@@ -84,6 +86,8 @@ async def regenerate_conversation(
         history = _history(out.messages)
         if not fits(history):
             break
+        if stopping():
+            raise Stopped
         reply = await backend.complete(history)
         if not reply.text.strip() and not reply.reasoning:
             raise RequestFailed("empty content")
@@ -110,6 +114,10 @@ class NothingToRegenerate(Exception):
     """The conversation has no turn that can be regenerated within the length limit."""
 
 
+class Stopped(Exception):
+    """A stop came before the conversation's next turn was sent; its earlier turns are kept."""
+
+
 OnResult = Callable[[Record, Regenerated | None, str | None], Awaitable[None] | None]
 
 
@@ -120,13 +128,18 @@ async def regenerate_all(
     fits: Callable[[list[dict[str, str]]], bool],
     in_flight: int,
     on_result: OnResult,
-) -> None:
+    stopping: Callable[[], bool] = lambda: False,
+) -> int:
     """Regenerate records with at most `in_flight` conversations open at once. Each result
     is stored in the ledger, then handed to `on_result(record, regenerated, error)`;
     an error starting with "skip: " is a conversation with nothing to regenerate.
-    An abort (circuit breaker, bad credentials) cancels the rest and propagates."""
+    An abort (circuit breaker, bad credentials) cancels the rest and propagates.
 
-    async def one(record: Record) -> tuple[Record, Regenerated | None, str | None]:
+    Once `stopping()` holds, no new turn is sent: the turns in flight finish and are kept,
+    and their conversations, unfinished, get no result. Returns how many were left so."""
+    unfinished = 0
+
+    async def one(record: Record) -> tuple[Record, Regenerated | None, str | None] | None:
         stored = ledger.partial(record.key)
         resume = Regenerated.from_row(stored) if stored is not None else None
 
@@ -135,8 +148,10 @@ async def regenerate_all(
 
         try:
             regenerated = await regenerate_conversation(
-                record.messages or [], backend, fits, resume, on_turn
+                record.messages or [], backend, fits, resume, on_turn, stopping
             )
+        except Stopped:
+            return None
         except NothingToRegenerate as err:  # not a failure: retrying cannot help
             return record, None, f"skip: {err}"
         except RequestFailed as err:
@@ -154,11 +169,15 @@ async def regenerate_all(
                 if len(pending) >= in_flight:
                     break
             if not pending:
-                return
+                return unfinished
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             finished = list(done)
             while finished:
-                result = on_result(*finished.pop().result())
+                outcome = finished.pop().result()
+                if outcome is None:
+                    unfinished += 1
+                    continue
+                result = on_result(*outcome)
                 if asyncio.iscoroutine(result):
                     await result
     finally:
