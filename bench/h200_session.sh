@@ -9,8 +9,8 @@
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
 #   PHASE=data    carry .carry/b and, to continue an earlier session's run, .carry/r (its
 #                 rundata.tgz.* pieces): regenerate + tokenize
-#                 (configs/smollm2-h200.toml) until DATA_S seconds (then the open
-#                 conversations finish, for DRAIN_S at most), then bring the run's
+#                 (configs/smollm2-h200.toml) until DATA_S seconds (then the turns in
+#                 flight finish, for DRAIN_S at most), then bring the run's
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
 #                 them into .carry/r here for the next session: a run directory is
 #                 relocatable, tests/test_kill_resume.py)
@@ -83,11 +83,12 @@ data)
     mkdir -p /tmp/q && cat .carry/r/rundata.tgz.* | tar -C /tmp/q -xzf - || exit 1
     python3 -m eagletrain status /tmp/q | head -3 | tee $OUT/restored.log
   fi
-  # at DATA_S a first SIGINT: no new conversation, the open ones finish; DRAIN_S later a
-  # second: stop now (finished turns are kept). Then the run's data stage comes back
+  # at DATA_S a first SIGINT: no new turn, the turns in flight finish (a batch or two);
+  # DRAIN_S later a second: stop now (finished turns are kept). Then the run's data stage
+  # comes back
   python3 -m eagletrain data $CFG --run-dir /tmp/q "${SETS[@]}" > /tmp/data_call.log 2>&1 &
   pid=$!
-  ( sleep "${DATA_S:-420}"; kill -INT $pid; sleep "${DRAIN_S:-120}"; kill -INT $pid ) >/dev/null 2>&1 &
+  ( sleep "${DATA_S:-420}"; kill -INT $pid; sleep "${DRAIN_S:-45}"; kill -INT $pid ) >/dev/null 2>&1 &
   timer=$!
   wait $pid
   pkill -P $timer; kill $timer 2>/dev/null
