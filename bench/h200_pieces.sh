@@ -6,6 +6,8 @@
 #   .carry/c  evaluation prompts: MT-bench question.jsonl, HumanEval.jsonl.gz
 #   .carry/d  sharegpt_all.jsonl.gz: every parseable record of the packaged ShareGPT file
 #             (17,671; the file ends mid-record), one JSON object a line
+#   .carry/r, .carry/e  an earlier session's run pieces, where bench/h200_kept.txt names the
+#             commit that kept them (bench/h200_keep.sh)
 # .carry/ is ignored by git (.gitignore). Run from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,4 +38,13 @@ with gzip.open(".carry/d/sharegpt_all.jsonl.gz", "wt", encoding="utf-8", compres
     f.write(lines)
 print(f"sharegpt_all.jsonl.gz: {len(records)} records")
 PY
+# pieces an earlier session kept (bench/h200_keep.sh): into .carry/r, .carry/e unless there
+[ -f bench/h200_kept.txt ] && while read -r kind sha note; do
+  if ls .carry/"$kind"/* >/dev/null 2>&1; then continue; fi
+  mkdir -p .carry/"$kind"
+  for f in $(git ls-tree -r --name-only "$sha" "kept/$kind"); do
+    git show "$sha:$f" > ".carry/$kind/$(basename "$f")"
+  done
+  echo "restored .carry/$kind from $sha: $note"
+done < bench/h200_kept.txt
 du -sh .carry/*
