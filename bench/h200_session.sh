@@ -16,7 +16,8 @@
 #                 relocatable, tests/test_kill_resume.py)
 #   PHASE=regen   bench/regen_local.py: local regeneration tokens/s per generator
 #                 configuration (REGEN_CONFIGS, KV/ATTENTION/SDPA: the stage's generator
-#                 before packed-gqa first); ARRIVAL=1 also cuts batches in arrival order,
+#                 before packed-gqa first; KV "graphed" is data.regen.decoder = "graphed",
+#                 its compile in the warm-up column); ARRIVAL=1 also cuts batches in arrival order,
 #                 against the whole pool grouped by length; PROFILE=N first profiles one
 #                 batch of N new tokens (the top operators)
 #   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine

@@ -2,7 +2,10 @@
 completion tokens/s of `LocalGenerator.generate` over ShareGPT first turns in the stage's
 length-grouped batches, per generator configuration KV/ATTENTION/SDPA:
 
-- KV: transformers' `dynamic` cache (grows by concatenation) or `static` (pre-allocated);
+- KV: transformers' `dynamic` cache (grows by concatenation) or `static` (pre-allocated),
+  both through `generate`; or `graphed`: static_batch_decoder.py (every batch padded to
+  --batch rows in one cache of --max-length + --max-tokens positions, each decoding step a
+  CUDA graph on a GPU; its warm-up batch compiles it);
 - ATTENTION: `transformers` (its SDPA as it comes: on 5.17 it copies each key/value head
   per query head under a padding mask) or `packed-gqa` (packed_gqa.py);
 - SDPA: `cudnn` (every PyTorch backend allowed; cuDNN's plans each new key length anew)
@@ -65,13 +68,18 @@ def padded_share(tokenizer, batches: list[list[list[dict]]]) -> float:
     return 1 - real / padded
 
 
-def run(generator: LocalGenerator, batches: list[list[list[dict]]], device) -> tuple[int, float]:
+def run(
+    generator: LocalGenerator, batches: list[list[list[dict]]], device
+) -> tuple[int, float, float]:
+    """Completion tokens, their seconds, and the untimed warm-up's seconds before them."""
+    start = time.perf_counter()
     generator.generate(batches[0][:8])  # untimed: first-call setup, compilation
     if device.type == "cuda":
         torch.cuda.synchronize()
+    warm_up = time.perf_counter() - start
     start = time.perf_counter()
     made = sum(c.completion_tokens for b in batches for c in generator.generate(b))
-    return made, time.perf_counter() - start
+    return made, time.perf_counter() - start, warm_up
 
 
 def profile(generator: LocalGenerator, batch: list[list[dict]], device, tokens: int) -> None:
@@ -97,15 +105,18 @@ BASELINE = "dynamic/transformers/cudnn"  # what the data stage ran before packed
 
 
 def generator_config(spec: str, max_tokens: int, batch: int) -> RegenerateConfig:
-    """`KV/ATTENTION/SDPA`, e.g. `static/packed-gqa/no-cudnn` (RegenerateConfig's fields)."""
+    """`KV/ATTENTION/SDPA`, e.g. `static/packed-gqa/no-cudnn` (RegenerateConfig's fields;
+    KV `graphed` is `decoder = "graphed"`)."""
     try:
         kv_cache, attention, sdpa = spec.split("/")
     except ValueError:
         raise SystemExit(f"--configs: {spec!r} is not KV/ATTENTION/SDPA") from None
+    graphed = kv_cache == "graphed"
     return RegenerateConfig(
         max_tokens=max_tokens,
         batch_size=batch,
-        kv_cache=kv_cache,
+        decoder="graphed" if graphed else "generate",
+        kv_cache="dynamic" if graphed else kv_cache,
         attention=attention,
         sdpa_cudnn=sdpa == "cudnn",
     )
@@ -149,22 +160,36 @@ def main() -> None:
         title=f"local regeneration, {len(prompts)} ShareGPT first turns, batch {args.batch}, "
         f"{args.max_tokens} new tokens at most, {args.dtype} on {device}"
     )
-    for col in ("kv / attention / sdpa, order", "batches", "padding share", "tokens", "s"):
+    for col in (
+        "kv / attention / sdpa, order",
+        "batches",
+        "padding share",
+        "warm-up s",
+        "tokens",
+        "s",
+    ):
         table.add_column(col, justify="right")
     table.add_column("tok/s", justify="right")
     shares = {order: f"{padded_share(tokenizer, batches):.2f}" for order, batches in orders.items()}
     rates: dict[tuple[str, str], float] = {}
     specs = args.configs.split(",")
     for spec in specs:
-        generator = LocalGenerator(
-            model, tokenizer, generator_config(spec, args.max_tokens, args.batch)
-        )
+        cfg = generator_config(spec, args.max_tokens, args.batch)
+        generator = LocalGenerator(model, tokenizer, cfg, max_prompt_tokens=args.max_length)
         for order, batches in orders.items():
-            made, seconds = run(generator, batches, device)
+            made, seconds, warm_up = run(generator, batches, device)
             rates[spec, order] = made / seconds
-            cells = [str(len(batches)), shares[order], str(made), f"{seconds:.1f}"]
+            cells = [
+                str(len(batches)),
+                shares[order],
+                f"{warm_up:.1f}",
+                str(made),
+                f"{seconds:.1f}",
+            ]
             table.add_row(f"{spec}, {order}", *cells, f"{made / seconds:.0f}")
-            print(f"row {spec} {order} tok_s={made / seconds:.0f}", flush=True)
+            print(
+                f"row {spec} {order} warm_up_s={warm_up:.1f} tok_s={made / seconds:.0f}", flush=True
+            )
     Console(width=140).print(table)
     best = max(specs[1:] or specs, key=lambda spec: rates[spec, "grouped"])
     print(f"best: {best} against {specs[0]}")

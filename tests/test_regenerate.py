@@ -585,11 +585,11 @@ def test_local_regeneration_splits_a_batch_that_runs_out_of_memory(tiny_target: 
         LocalGenerator(OutOfMemoryAbove(model, rows=0), tokenizer, cfg).generate(chats[:1])
 
 
-def test_local_regeneration_through_the_cli(tmp_path: Path, base_config: str):
+@pytest.mark.parametrize("decoder", ["generate", "graphed"])
+def test_local_regeneration_through_the_cli(tmp_path: Path, base_config: str, decoder: str):
     run = tmp_path / "run"
-    config = regen_config(
-        tmp_path, base_config, RegenerateConfig(max_tokens=8, batch_size=8), mode="local"
-    )
+    regen = RegenerateConfig(max_tokens=8, batch_size=8, decoder=decoder)
+    config = regen_config(tmp_path, base_config, regen, mode="local")
     result = eagletrain("data", config, "--run-dir", run)
     assert result.returncode == 0, result.stderr
     assert ledger_rows(run, "SELECT COUNT(*) FROM regenerated")[0][0] > 0

@@ -64,8 +64,13 @@ class RegenerateConfig(Section):
     # pads less (ShareGPT first turns, batch 512: pool 1,024 attends 2.5x the real tokens,
     # 8,192 1.3x); the cost is a longer tail of small batches at the end of the source
     in_flight_batches: int = Field(2, ge=1)
-    # local mode: transformers' KV cache for generate ("static" pre-allocates, for GPUs;
-    # generated uncompiled: each batch has its own shapes)
+    # local mode: "generate" is transformers' generate; "graphed" pads every batch to
+    # batch_size rows in one cache of batch_size x (data.max_length + max_tokens) positions,
+    # reused by every batch, so each decoding step has one shape and runs as a CUDA graph
+    # on a GPU (static_batch_decoder.py; eager elsewhere)
+    decoder: Literal["generate", "graphed"] = "generate"
+    # local mode, decoder "generate": transformers' KV cache ("static" pre-allocates, for
+    # GPUs; generated uncompiled: each batch has its own shapes)
     kv_cache: Literal["dynamic", "static"] = "dynamic"
     # local mode: "packed-gqa" folds a one-token step's query heads onto their key/value
     # heads (packed_gqa.py); "transformers" is the library's SDPA attention as it comes

@@ -198,7 +198,9 @@ def _regenerate_and_tokenize(
 
         source = resolve_target(run.config.target)
         model = load_target(source, run.config.target.dtype, pick_device(run.config.target.device))
-        backend: Any = LocalGenerator(model, tokenizer, cfg.regen, run.config.run.seed)
+        backend: Any = LocalGenerator(
+            model, tokenizer, cfg.regen, run.config.run.seed, max_prompt_tokens=cfg.max_length
+        )
     else:
         from eagletrain.regen_client import ChatClient
 

@@ -48,6 +48,7 @@ OPERATIONAL_KEYS = {
             "circuit_max_trips",
             "batch_size",
             "in_flight_batches",
+            "decoder",
             "kv_cache",
             "attention",
             "sdpa_cudnn",
