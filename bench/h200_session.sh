@@ -8,7 +8,8 @@
 #                 .carry/r (rundata.tgz.*), .carry/e (export_sglang.tgz.*)
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
 #   PHASE=data    carry .carry/b and, to continue an earlier session's run, .carry/r (its
-#                 rundata.tgz.* pieces): regenerate + tokenize
+#                 rundata.tgz.* pieces): DECODER=auto first measures generate against
+#                 graphed and takes the faster; regenerate + tokenize
 #                 (configs/smollm2-h200.toml) until DATA_S seconds (then the turns in
 #                 flight finish, for DRAIN_S at most), then bring the run's
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
@@ -84,12 +85,30 @@ data)
     mkdir -p /tmp/q && cat .carry/r/rundata.tgz.* | tar -C /tmp/q -xzf - || exit 1
     python3 -m eagletrain status /tmp/q | head -3 | tee $OUT/restored.log
   fi
-  # at DATA_S a first SIGINT: no new turn, the turns in flight finish (a batch or two);
-  # DRAIN_S later a second: stop now (finished turns are kept). Then the run's data stage
-  # comes back
+  # DECODER=auto first measures both local decoders on the same first turns (bench/
+  # regen_local.py: generate against graphed, whose compile is its warm-up) and
+  # regenerates with the faster; DECODER=generate|graphed picks one; unset, the config's
+  start=$SECONDS
+  decoder=${DECODER:-}
+  if [ "$decoder" = auto ]; then
+    timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
+      --dtype "${DTYPE:-bfloat16}" --prompts "${REGEN_PROMPTS:-512}" --batch "${REGEN_BATCH:-512}" \
+      --max-tokens "${MAX_NEW:-256}" --configs dynamic/packed-gqa/no-cudnn,graphed/packed-gqa/no-cudnn \
+      2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log
+    rate() { sed -n "s|^row $1 grouped .*tok_s=\([0-9]*\)\$|\1|p" $OUT/regen_bench.log; }
+    generate=$(rate dynamic/packed-gqa/no-cudnn) graphed=$(rate graphed/packed-gqa/no-cudnn)
+    decoder=generate
+    [ "${graphed:-0}" -gt "${generate:-0}" ] && decoder=graphed
+    echo "decoder=$decoder (generate ${generate:-none} tok/s, graphed ${graphed:-none})" | tee -a $OUT/regen_bench.log
+  fi
+  [ -n "$decoder" ] && SETS+=(--set "data.regen.decoder=$decoder")
+  # at DATA_S from the call's start a first SIGINT: no new turn, the turns in flight finish
+  # (a batch or two); DRAIN_S later a second: stop now (finished turns are kept). Then the
+  # run's data stage comes back
   python3 -m eagletrain data $CFG --run-dir /tmp/q "${SETS[@]}" > /tmp/data_call.log 2>&1 &
   pid=$!
-  ( sleep "${DATA_S:-420}"; kill -INT $pid; sleep "${DRAIN_S:-45}"; kill -INT $pid ) >/dev/null 2>&1 &
+  left=$(( ${DATA_S:-420} - (SECONDS - start) ))
+  ( sleep $(( left > 30 ? left : 30 )); kill -INT $pid; sleep "${DRAIN_S:-45}"; kill -INT $pid ) >/dev/null 2>&1 &
   timer=$!
   wait $pid
   pkill -P $timer; kill $timer 2>/dev/null
