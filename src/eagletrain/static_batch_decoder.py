@@ -37,7 +37,7 @@ class StaticBatchDecoder:
         self.dtype = next(model.parameters()).dtype
         self.cache = StaticCache(config=model.config, max_cache_len=width)
         self.cache_kw = _cache_argument(model)
-        self.step = compiled_steps(self._step, compile)
+        self.step = compiled_steps(self._forward, compile)
         self.columns = torch.arange(width, device=self.device)
 
     def _next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
@@ -47,11 +47,13 @@ class StaticBatchDecoder:
         noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32)))
         return (logits.float() / self.temperature + noise).argmax(-1)
 
-    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
+        """The next token of each row after `ids` [rows, queries], each query attending the
+        cache columns `allowed` [rows, queries, width] gives it."""
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None, None, :]
+        mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]
         out = self.model(
-            input_ids=tokens,
+            input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
             use_cache=True,
@@ -82,20 +84,9 @@ class StaticBatchDecoder:
         positions = (allowed[:, :longest].cumsum(1) - 1).clamp(min=0)
         self.cache.reset()
         causal = self.columns[None, :] <= torch.arange(longest, device=self.device)[:, None]
-        prefill_allowed = allowed[:, None, :] & causal[None]
-        mask = torch.zeros(prefill_allowed.shape, dtype=self.dtype, device=self.device)
-        mask = mask.masked_fill(~prefill_allowed, torch.finfo(self.dtype).min)[:, None]
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_kw: self.cache},
-        )
-        token = self._next_tokens(out.logits[:, -1])
+        token = self._forward(ids, positions, allowed[:, None, :] & causal[None])  # eager
         generated = torch.empty(self.rows, max_new, dtype=torch.long, device=self.device)
-        eos_ids = torch.tensor(sorted(eos), device=self.device)
+        eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=self.device)
         ended = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
         ended[len(prompts) :] = True
         steps = max_new
@@ -106,7 +97,7 @@ class StaticBatchDecoder:
                 steps = t + 1
                 break
             allowed[:, longest + t] = True
-            token = self.step(token[:, None], lengths + t, allowed).clone()
+            token = self.step(token[:, None], lengths + t, allowed[:, None, :]).clone()
         kept = generated[: len(prompts), :steps].tolist()
         return [_through_first(tokens, eos) for tokens in kept]
 
