@@ -18,7 +18,7 @@ import torch
 from transformers import StaticCache
 
 from eagletrain.static_draft_cache import compiled_steps
-from eagletrain.target_session import _cache_argument
+from eagletrain.target_session import additive_mask, cache_argument
 
 CHECK_EVERY = 8  # decoding steps between host reads of "has every row ended?"
 
@@ -36,7 +36,7 @@ class StaticBatchDecoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = StaticCache(config=model.config, max_cache_len=width)
-        self.cache_kw = _cache_argument(model)
+        self.cache_kw = cache_argument(model)
         self.step = compiled_steps(self._forward, compile)
         self.columns = torch.arange(width, device=self.device)
 
@@ -50,12 +50,10 @@ class StaticBatchDecoder:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
         """The next token of each row after `ids` [rows, queries], each query attending the
         cache columns `allowed` [rows, queries, width] gives it."""
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]
         out = self.model(
             input_ids=ids,
             position_ids=positions,
-            attention_mask=mask,
+            attention_mask=additive_mask(allowed, self.dtype),
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_kw: self.cache},

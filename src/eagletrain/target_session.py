@@ -22,16 +22,16 @@ from eagletrain.static_draft_cache import compiled_steps
 from eagletrain.target import capture_layer_outputs
 
 
-def _cache_argument(model: torch.nn.Module) -> str:
+def cache_argument(model: torch.nn.Module) -> str:
     # transformers renamed `past_key_values` to `cache` after 5.17 (the H200 has 5.17).
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool attend-mask as the additive float mask [1, 1, q, kv] that the eager and the
-    SDPA attention of transformers both read the same way."""
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attend-mask [batch, q, kv] as the additive float mask [batch, 1, q, kv] that
+    the eager and the SDPA attention of transformers both read the same way."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 class Session(Protocol):
@@ -55,7 +55,7 @@ class TargetSession:
         self.aux_layer_ids = aux_layer_ids
         self.cache = DynamicCache()
         self.device = next(model.parameters()).device
-        self._cache_kw = _cache_argument(model)
+        self._cache_kw = cache_argument(model)
 
     def _run(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         kwargs |= {"use_cache": True, self._cache_kw: self.cache}
@@ -80,7 +80,7 @@ class TargetSession:
         return self._run(
             input_ids=torch.tensor([tokens], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
-            attention_mask=_additive(allowed, next(self.model.parameters()).dtype),
+            attention_mask=additive_mask(allowed[None], next(self.model.parameters()).dtype),
         )
 
     def keep(self, length: int, rows: list[int]) -> None:
@@ -108,7 +108,7 @@ class StaticTarget:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        self.cache_kw = _cache_argument(model)
+        self.cache_kw = cache_argument(model)
         self.step = compiled_steps(model.forward, compile)
 
     def session(self, aux_layer_ids: list[int] | None) -> StaticTargetSession:
@@ -158,7 +158,7 @@ class StaticTargetSession:
         allowed = torch.zeros(n, self.engine.max_len, dtype=torch.bool)
         allowed[:, :past] = True
         allowed[:, past : past + n] = tree_mask.cpu()
-        mask = _additive(allowed.to(self.engine.device), self.engine.dtype)
+        mask = additive_mask(allowed[None].to(self.engine.device), self.engine.dtype)
         return self._run(tokens, positions, mask)
 
     def _set_length(self, length: int) -> None:
