@@ -34,12 +34,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eagletrain.evaluate import dataset_prompts, load_for_decoding
-from eagletrain.extract import DataSamples
-from eagletrain.rundir import reopen_run
-from eagletrain.speculative import EagleProposer, speculative_greedy
+from eagletrain.data.samples import DataSamples
+from eagletrain.decode.chain import speculative_chain
+from eagletrain.decode.engine import DecodingEngine
+from eagletrain.evaluate.in_process import load_for_decoding
+from eagletrain.evaluate.prompts import dataset_prompts
+from eagletrain.runtime.rundir import reopen_run
 from eagletrain.target import target_features
-from eagletrain.ttt import TargetHead, step_weights, ttt_forward
+from eagletrain.train.batches import Batch
+from eagletrain.train.ttt import TargetHead, TTTSettings, step_weights, ttt_forward
 
 
 def unrolled_accepts(model, drafter, head, ids: list[int], first_scored: int | list[bool], k: int):
@@ -59,10 +62,10 @@ def unrolled_accepts(model, drafter, head, ids: list[int], first_scored: int | l
     in_vocab[draft_ids] = True
     with torch.no_grad():
         p, argmax_in_vocab = head.distribution(last, draft_ids, in_vocab)
-        result = ttt_forward(
-            drafter, model.get_input_embeddings(), aux.to(drafter.fc.weight.dtype), x,
-            scored, p, argmax_in_vocab, k, step_weights(k, 0.8),
-        )  # fmt: skip
+        batch = Batch(aux.to(drafter.fc.weight.dtype), last, x, scored)
+        settings = TTTSettings(k, step_weights(k, 0.8))
+        embed = model.get_input_embeddings()
+        result = ttt_forward(drafter, embed, batch, p, argmax_in_vocab, settings)
     return result.accepted[0].tolist()
 
 
@@ -184,10 +187,8 @@ def main() -> None:
         table.add_column(col, justify="right")
     agree = total = 0
     for key, prompt in prompts:
-        decoded = speculative_greedy(
-            model, EagleProposer(drafter, model.get_input_embeddings()), prompt,
-            args.max_new, k, eos,
-        )  # fmt: skip
+        engine = DecodingEngine(model)
+        decoded = speculative_chain(engine, engine.eagle(drafter), prompt, args.max_new, k, eos)
         out = decoded.tokens
         accepts = unrolled_accepts(model, drafter, head, prompt + out, len(prompt) + 1, k)
         served, unrolled, start = [], [], 1  # out[start] is the cycle's first draft target

@@ -34,20 +34,21 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eagletrain.chat_tokenize import tokenize_conversation
 from eagletrain.config import Config, RegenerateConfig
-from eagletrain.conversations import read_records
-from eagletrain.data import run_data
+from eagletrain.data.chat_tokenize import tokenize_conversation
+from eagletrain.data.conversations import read_records
+from eagletrain.data.local_generator import LocalGenerator
+from eagletrain.data.stage import run_data
 from eagletrain.errors import VerifyError
-from eagletrain.regen_local import LocalGenerator
-from eagletrain.rundir import open_run
+from eagletrain.runtime.rundir import open_run
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
 
 
 @contextlib.contextmanager
 def fault_server(args: argparse.Namespace, fault_rate: float, port: int) -> Iterator[str]:
     """The fault server in its own process, so client and server do not share one GIL."""
-    cmd = [sys.executable, "-m", "eagletrain.fault_server", "--port", str(port)]
+    server = Path(__file__).resolve().parent.parent / "tests" / "fault_server.py"
+    cmd = [sys.executable, str(server), "--port", str(port)]
     cmd += ["--fault-rate", str(fault_rate), "--latency", str(args.latency), "--stall", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:

@@ -24,15 +24,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from eagletrain.evaluate import (
+from eagletrain.decode.tree import TreeShape
+from eagletrain.evaluate.in_process import (
     Decoding,
-    dataset_prompts,
     evaluate_prompts,
     load_for_decoding,
-    static_engines,
+    sized_engine,
 )
-from eagletrain.rundir import reopen_run
-from eagletrain.tree import TreeShape
+from eagletrain.evaluate.prompts import dataset_prompts
+from eagletrain.runtime.rundir import reopen_run
 
 
 def add_row(table: Table, engine: str, name: str, temperature: float, r: dict) -> None:
@@ -104,7 +104,7 @@ def main() -> None:
     for engine in args.engines.split(","):
         # one static engine per kind, sized for every prompt: compiled and captured once
         sizing = Decoding(args.max_new, args.chain, 0.0, 0, shape, engine)
-        engines = static_engines(model, drafter, everything, sizing)
+        engines = sized_engine(model, drafter, everything, sizing)
         for dataset, prompts in prompt_sets.items():
             name = Path(dataset).name.split(".")[0]
             for temperature in (float(t) for t in args.temperatures.split(",")):

@@ -27,11 +27,11 @@ from rich.console import Console
 from rich.table import Table
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagletrain.decode.chain import plain_decode, speculative_chain
+from eagletrain.decode.tree import TreeShape, speculative_tree
 from eagletrain.drafter import Eagle3Drafter, drafter_config
-from eagletrain.evaluate import Decoding, static_engines
-from eagletrain.speculative import EagleProposer, greedy_decode, speculative_greedy
+from eagletrain.evaluate.in_process import Decoding, sized_engine
 from eagletrain.target import pick_device
-from eagletrain.tree import TreeShape, speculative_tree
 
 
 def per_cycle_ms(decode, cycles_of, repeats: int = 3) -> float:
@@ -107,7 +107,6 @@ def main() -> None:
     aux = [1, args.layers // 2 - 1, args.layers - 4]
     drafter = Eagle3Drafter(drafter_config(cfg, 8192, aux)).to(device, dtype).eval()
     drafter.set_draft_vocab(torch.arange(8192, device=device))
-    embed = model.get_input_embeddings()
     shape = TreeShape(*(int(x) for x in args.tree.split(",")))
     prompt = torch.randint(100, args.vocab, (96,), generator=torch.Generator().manual_seed(0))
     prompt, n, k = prompt.tolist(), args.tokens, args.chain
@@ -121,16 +120,12 @@ def main() -> None:
     plain_ms = {}
     for name in args.engines.split(","):
         settings = Decoding(n, k, 0.0, 0, shape, name)
-        engine, draft_cache = static_engines(model, drafter, [("prompt", prompt)], settings)
-        eagle = EagleProposer(drafter, embed, draft_cache)
+        engine = sized_engine(model, drafter, [("prompt", prompt)], settings)
+        eagle = engine.eagle(drafter)
         methods = {
-            "plain": lambda e=engine: greedy_decode(model, prompt, n, set(), engine=e),
-            "chain": lambda e=engine, p=eagle: speculative_greedy(
-                model, p, prompt, n, k, set(), engine=e
-            ),
-            "tree": lambda e=engine, p=eagle: speculative_tree(
-                model, p, prompt, n, shape, set(), engine=e
-            ),
+            "plain": lambda e=engine: plain_decode(e, prompt, n, set()),
+            "chain": lambda e=engine, p=eagle: speculative_chain(e, p, prompt, n, k, set()),
+            "tree": lambda e=engine, p=eagle: speculative_tree(e, p, prompt, n, shape, set()),
         }
         ms = {}
         with torch.inference_mode():

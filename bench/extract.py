@@ -23,16 +23,16 @@ from pathlib import Path
 import torch
 
 from eagletrain.config import Config
-from eagletrain.data import run_data
-from eagletrain.extract import (
+from eagletrain.data.stage import run_data
+from eagletrain.extract.shard_writer import ShardWriter
+from eagletrain.extract.stage import (
     DataSamples,
     extract_batches,
     forward_captured,
     length_batches,
     resolve_aux_ids,
 )
-from eagletrain.rundir import open_run
-from eagletrain.shard_writer import ShardWriter
+from eagletrain.runtime.rundir import open_run
 from eagletrain.target import load_target, pick_device, resolve_target, torch_dtype
 
 

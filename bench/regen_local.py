@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from eagletrain.config import RegenerateConfig, TargetConfig
-from eagletrain.conversations import read_records
-from eagletrain.regen_local import LocalGenerator, length_grouped
+from eagletrain.data.conversations import read_records
+from eagletrain.data.local_generator import LocalGenerator, length_grouped
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
 
 

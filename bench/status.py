@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagletrain.ledger import Ledger
-from eagletrain.status import run_status
-from eagletrain.worker import process_start_time
+from eagletrain.runtime.ledger import Ledger
+from eagletrain.runtime.status import run_status
+from eagletrain.runtime.worker import process_start_time
 
 
 def build(run_dir: Path, items: int, done: int) -> None:

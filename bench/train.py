@@ -3,7 +3,7 @@
     .venv/bin/python bench/train.py [--batches 1,2,4,8,16] [--seq 2048] [--ttt 7] [--iters 5]
 
 The drafter (hidden 4096, intermediate 14336, 32/8 heads, target vocab 128256, draft vocab
-32000) is eagletrain's own `Eagle3Drafter`, trained by the real `ttt_forward` (exact TTT
+32000) is eagletrain's own `Eagle3Drafter`, trained by the trainer's own `train_step` (exact TTT
 attention pattern) on random features, with the frozen target head producing the target
 distribution from a random last-layer state, bf16 autocast and fused AdamW, as train.py.
 FLOPs per token: 6 x (TTT x (q,k,v,o + MLP + lm_head MACs + seq x hidden) + fc MACs)
@@ -26,9 +26,16 @@ from rich.console import Console
 from rich.table import Table
 from transformers import LlamaConfig
 
-from eagletrain import drafter as drafter_module
-from eagletrain.drafter import Eagle3Drafter, compile_decoder_layer, drafter_config
-from eagletrain.ttt import TargetHead, step_weights, ttt_forward
+from eagletrain.drafter import (
+    Eagle3Drafter,
+    compile_decoder_layer,
+    drafter_config,
+    set_ttt_attention,
+)
+from eagletrain.train.batches import Batch
+from eagletrain.train.parallel import Parallel
+from eagletrain.train.step import Optimization, train_step
+from eagletrain.train.ttt import TargetHead, TTTObjective, TTTSettings, step_weights, ttt_forward
 
 PEAK_FLOPS = 790e12
 
@@ -67,10 +74,11 @@ def agreement(
         p, in_vocab = head.distribution(last, drafter.target_ids(), drafter.t2d)
     out = {}
     for mode in ("dense", "flex"):
-        drafter_module.TTT_ATTENTION = mode
+        set_ttt_attention(drafter, mode)
         drafter.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            r = ttt_forward(drafter, embed, aux, ids, mask, p, in_vocab, ttt, weights, **extra)
+            batch = Batch(aux, last, ids, mask, **extra)
+            r = ttt_forward(drafter, embed, batch, p, in_vocab, TTTSettings(ttt, weights))
         r.loss.backward()
         out[mode] = (r.loss.item(), drafter.fc.weight.grad.float().clone())
     drafter.zero_grad(set_to_none=True)
@@ -136,6 +144,8 @@ def main() -> None:
         (torch.randn(cfg.vocab_size, 4096, device=device) * 0.02).to(torch.bfloat16),
     )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
+    opt = Optimization(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), 0.5)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     weights = step_weights(args.ttt, 0.8)
     per_token = flops_per_token(cfg, args.seq, args.ttt)
     rows, headline = [], None
@@ -150,7 +160,7 @@ def main() -> None:
     ]
     profile = None
     for mode, recompute, compiled, b in variants:
-        drafter_module.TTT_ATTENTION = mode
+        set_ttt_attention(drafter, mode)
         if compiled == "on" and drafter.midlayer._compiled_call_impl is None:
             compile_decoder_layer(drafter)
         elif compiled == "off":
@@ -163,25 +173,13 @@ def main() -> None:
             ids = torch.randint(0, cfg.vocab_size, (b, args.seq), device=device)
             mask = torch.ones(b, args.seq, dtype=torch.bool, device=device)
 
-            def step(aux=aux, last=last, ids=ids, mask=mask, recompute=recompute) -> None:
-                with torch.no_grad():
-                    p, in_vocab = head.distribution(last, drafter.target_ids(), drafter.t2d)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    r = ttt_forward(
-                        drafter,
-                        embed,
-                        aux,
-                        ids,
-                        mask,
-                        p,
-                        in_vocab,
-                        args.ttt,
-                        weights,
-                        recompute=recompute == "on",
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                r.loss.backward()
-                optimizer.step()
+            settings = TTTSettings(args.ttt, weights, recompute == "on", compile_head=True)
+            objective = TTTObjective(drafter, embed, settings)
+            batch = Batch(aux, last, ids, mask)
+
+            def step(objective=objective, batch=batch) -> None:
+                # the trainer's own step: target distribution, TTT, backward, clip, update
+                train_step(objective, head, batch, opt, Parallel(), autocast)
 
             step()  # warm-up
             torch.cuda.synchronize()

@@ -149,7 +149,7 @@ lr = 3e-3
 device = "cpu"
 
 [eval]
-dataset = "{prompts}"
+datasets = ["{prompts}"]
 num_prompts = 3
 max_new_tokens = 12
 draft_steps = 3

@@ -154,7 +154,7 @@ def test_a_later_stage_refuses_another_target(tiny_config: Path, tmp_path: Path)
 
 def test_eval_at_temperature_one_on_heldout_conversations(tiny_config: Path, tmp_path: Path):
     run = tmp_path / "run"
-    overrides = ["--set", "eval.temperature=1.0", "--set", "eval.dataset=heldout"]
+    overrides = ["--set", "eval.temperature=1.0", "--set", 'eval.datasets=["heldout"]']
     result = eagletrain("run", tiny_config, "--run-dir", run, *overrides)
     assert result.returncode == 0, result.stderr
     assert "sampling at T=1" in result.stdout

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 
 from eagletrain.drafter import DraftKVCache, Eagle3Drafter, drafter_config
-from eagletrain.ttt import shift
+from eagletrain.train.ttt import shift
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
@@ -99,7 +99,7 @@ def test_dense_ttt_attention_keeps_flex_out_of_the_forward(monkeypatch):
     def flex_called():
         raise AssertionError("flex_attention used")
 
-    monkeypatch.setattr(drafter_module, "TTT_ATTENTION", "flex")
+    drafter_module.set_ttt_attention(drafter, "flex")  # train.ttt_attention = "flex"
     monkeypatch.setattr(drafter_module, "_flex_attention", flex_called)
     with drafter_module.dense_ttt_attention(drafter):
         hidden, _ = drafter.step_ttt(drafter.fc(aux), embed(tokens), positions, [])

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagletrain.chat_tokenize import tokenize_conversation
 from eagletrain.config import Config
-from eagletrain.data import run_data
-from eagletrain.evaluate import load_prompts
-from eagletrain.rundir import open_run
-from eagletrain.speculative import PromptLookupProposer, greedy_decode, speculative_greedy
+from eagletrain.data.chat_tokenize import tokenize_conversation
+from eagletrain.data.stage import run_data
+from eagletrain.decode.chain import plain_decode, speculative_chain
+from eagletrain.decode.engine import DecodingEngine
+from eagletrain.decode.proposers import PromptLookupProposer
+from eagletrain.evaluate.prompts import load_prompts
+from eagletrain.runtime.rundir import open_run
 from eagletrain.target import (
     default_aux_layer_ids,
     load_target,
@@ -57,8 +59,8 @@ def test_greedy_prompt_lookup_equals_plain_greedy_on_mtbench(smollm2):
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
         )
         prompt = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        plain = greedy_decode(model, prompt, 24, eos)
-        spec = speculative_greedy(model, PromptLookupProposer(), prompt, 24, 3, eos)
+        plain = plain_decode(DecodingEngine(model), prompt, 24, eos)
+        spec = speculative_chain(DecodingEngine(model), PromptLookupProposer(), prompt, 24, 3, eos)
         assert spec.tokens == plain.tokens
 
 

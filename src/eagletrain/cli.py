@@ -13,7 +13,8 @@ from typing import Annotated
 import typer
 
 from eagletrain.errors import EagletrainError, InputError, VerifyError
-from eagletrain.launcher import die_with_launcher
+from eagletrain.runtime.faults import install as install_faults
+from eagletrain.runtime.launcher import die_with_launcher
 from eagletrain.stages import STAGES
 
 app = typer.Typer(
@@ -73,6 +74,7 @@ def _guarded(fn):
         # launcher ignored it, as a shell does for a background job, which Python inherits
         signal.signal(signal.SIGINT, signal.default_int_handler)
         die_with_launcher()  # under torchrun: no rank outlives a killed torchrun
+        install_faults()  # the reliability tests' simulated full disk, when asked for
         try:
             return fn(*args, **kwargs)
         except EagletrainError as err:
@@ -113,7 +115,7 @@ def _served_target(run) -> str:
 
 def _open(config: Path, run_dir: Path | None, overrides: list[str] | None):
     from eagletrain.config import load_config
-    from eagletrain.rundir import open_run
+    from eagletrain.runtime.rundir import open_run
 
     _quiet_libraries()
     return open_run(load_config(config, overrides or []), run_dir)
@@ -144,7 +146,7 @@ def run(
         f"pipeline finished in {time.time() - start:.0f}s; "
         f"`eagletrain status {r.dir}` shows every stage"
     )
-    from eagletrain.evaluate import describe
+    from eagletrain.evaluate.stage import describe
 
     typer.echo(describe(ev))
     typer.echo(f"tau={ev['tau']:.3f}")
@@ -177,6 +179,9 @@ def _stage_command(stage: str, sharded: bool):
         if repair and stage != "extract":
             raise InputError(f"--repair applies to extract, not {stage}")
         r = _open(config, run_dir, set_)
+        if stage in r.config.skipped_stages:
+            typer.echo(f"{stage}: skipped ({r.config.skipped_stages[stage]})")
+            return
         result = stage_runners(partition, allow_partial, repair)[stage](r)
         if stage == "extract" and repair:
             typer.echo(f"repaired {len(result)} samples: {' '.join(result)}")
@@ -188,7 +193,7 @@ def _stage_command(stage: str, sharded: bool):
                 typer.echo(f"serve with {line}")
         elif stage == "eval":
             typer.echo(f"tau={result['tau']:.3f}")
-        from eagletrain.status import format_line, stage_status
+        from eagletrain.runtime.status import format_line, stage_status
 
         typer.echo(format_line(stage_status(r.ledger, stage)))
 
@@ -208,7 +213,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False,
 ) -> None:
     """Per stage: running / stalled / dead / done / failed / pending, N of M, rate, ETA."""
-    from eagletrain.status import format_line, run_status
+    from eagletrain.runtime.status import format_line, run_status
 
     stages = run_status(run_dir)
     if as_json:
@@ -226,8 +231,8 @@ def verify(
     quick: Annotated[bool, typer.Option("--quick", help="Skip re-hashing data.")] = False,
 ) -> None:
     """Re-check a stage's output against the ledger; write or revoke its completion record."""
-    from eagletrain.rundir import reopen_run
-    from eagletrain.verify import SHARDED_STAGES, finalize_items_stage, verify_stage
+    from eagletrain.runtime.rundir import reopen_run
+    from eagletrain.runtime.verify import SHARDED_STAGES, finalize_items_stage, verify_stage
 
     if stage is not None and stage not in STAGES:
         raise InputError(f"--stage {stage!r}: expected one of {', '.join(STAGES)}")
@@ -256,7 +261,7 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")]) -> N
     """Write RUN_DIR/report/report.md with PNG plots: training curves, tau per dataset
     against prompt lookup, per-position acceptance, stage timings."""
     from eagletrain.report import write_report
-    from eagletrain.rundir import reopen_run
+    from eagletrain.runtime.rundir import reopen_run
 
     typer.echo(f"report: {write_report(reopen_run(run_dir))}")
 

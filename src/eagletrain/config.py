@@ -10,7 +10,7 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eagletrain.errors import ConfigError
-from eagletrain.stages import STAGES
+from eagletrain.stages import STAGES, skipped_stages
 
 __all__ = ["STAGES", "Config", "load_config"]
 
@@ -33,13 +33,10 @@ class TargetConfig(Section):
     device: str = "auto"
 
 
-class RegenerateConfig(Section):
-    """Regenerating assistant turns with the target (the drafter learns the target's own replies).
-
-    "api": an OpenAI-compatible chat-completions server (hosted router, vLLM, SGLang);
-    "local": the in-process target, batched. The API key is read from the environment
-    variable named by `api_key_env` and is never written anywhere.
-    """
+class ServerConfig(Section):
+    """An OpenAI-compatible server (hosted router, vLLM, SGLang) and how to talk to it. The
+    API key is read from the environment variable named by `api_key_env` and is never
+    written anywhere."""
 
     base_url: str = "http://127.0.0.1:8000/v1"
     model: str = "default"
@@ -54,6 +51,15 @@ class RegenerateConfig(Section):
     circuit_failures: int = Field(20, ge=1)
     circuit_cooldown_s: float = Field(30.0, ge=0)
     circuit_max_trips: int = Field(3, ge=1)
+
+
+class RegenerateConfig(ServerConfig):
+    """Regenerating assistant turns with the target (the drafter learns the target's own replies).
+
+    "api": an OpenAI-compatible chat-completions server (the fields of ServerConfig);
+    "local": the in-process target, batched.
+    """
+
     max_tokens: int = Field(1024, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     # replies cut off by max_tokens (finish_reason "length"): keep them, or skip the sample
@@ -96,7 +102,7 @@ class DataConfig(Section):
     regen: RegenerateConfig = RegenerateConfig()
 
 
-class EngineConfig(Section):
+class EngineConfig(ServerConfig):
     """Hidden states written by a serving engine (extract.backend = "engine"): vLLM's
     extract_hidden_states method + hidden-states connector, or SGLang capture in that
     layout. `layer_ids` are the engine's, in its convention (None: the ids eagletrain
@@ -106,9 +112,7 @@ class EngineConfig(Section):
     dump_dir: str | None = None
     convention: Literal["vllm", "sglang"] = "vllm"
     layer_ids: list[int] | None = None
-    base_url: str | None = None
-    model: str = "default"
-    api_key_env: str = "OPENAI_API_KEY"
+    base_url: str | None = None  # type: ignore[assignment]
     concurrency: int = Field(16, ge=1)
     timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(3, ge=0)
@@ -152,6 +156,11 @@ class TrainConfig(Section):
     activation_checkpointing: bool = False
     # torch.compile the drafter's decoder layer (fuses its element-wise work; GPUs)
     compile: bool = False
+    # TTT attention: "flex" (flex_attention over the block-sparse TTT mask), "dense" (the
+    # scores materialised: the reference), "auto" (flex on CUDA, dense elsewhere)
+    ttt_attention: Literal["auto", "flex", "dense"] = "auto"
+    # the fused head loss's softmax arithmetic compiled into a few kernels ("auto": on CUDA)
+    compile_head: Literal["auto", "on", "off"] = "auto"
     # under torchrun: "ddp" replicates the drafter; "fsdp" shards parameters, gradients and
     # optimizer state (torch.distributed.fsdp.fully_shard)
     parallelism: Literal["ddp", "fsdp"] = "ddp"
@@ -165,11 +174,25 @@ class ExportConfig(Section):
     format: Literal["sglang"] = "sglang"
 
 
+class EvalServerConfig(ServerConfig):
+    """eval.backend = "server": a running server that serves the target with the drafter
+    (`base_url`); acceptance comes from its own counters (vLLM: GET /metrics before and
+    after each prompt; SGLang: each response's meta_info). Prompts go one at a time, as
+    token ids, so per-prompt figures and batch-1 timings are exact."""
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    # the same target served without the drafter: tokens/s without it, and the speedup
+    plain_base_url: str | None = None
+    concurrency: int = Field(1, ge=1)
+
+
 class EvalConfig(Section):
-    # "mtbench", "humaneval" (packaged), "heldout" (the run's held-out conversations) or
-    # a JSONL path with `prompt` or `turns`
-    dataset: str = "mtbench"
-    num_prompts: int = Field(8, ge=1)
+    # "mtbench" (80 first turns), "humaneval" (164), both packaged; "heldout" (the run's
+    # held-out conversations); or a JSONL path with `prompt` or `turns`. The first dataset
+    # is the headline
+    datasets: list[str] = ["mtbench"]
+    # prompts per dataset (None: all of them)
+    num_prompts: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(64, ge=1)
     draft_steps: int = Field(3, ge=1)
     # 0 = greedy (output must equal plain greedy); > 0 = lossless speculative sampling
@@ -184,6 +207,10 @@ class EvalConfig(Section):
     # decoding engine shared by plain and speculative decoding: "eager" (DynamicCache),
     # "static" (one preallocated cache) or "compiled" (static + torch.compile, CUDA graphs)
     engine: Literal["eager", "static", "compiled"] = "eager"
+    # "local": the target and the exported drafter in this process; "server": a running
+    # OpenAI-compatible server that serves them (eval.server)
+    backend: Literal["local", "server"] = "local"
+    server: EvalServerConfig = EvalServerConfig()
 
 
 class Config(Section):
@@ -194,6 +221,10 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     export: ExportConfig = ExportConfig()
     eval: EvalConfig = EvalConfig()
+
+    @property
+    def skipped_stages(self) -> dict[str, str]:
+        return skipped_stages(self.train.online)
 
 
 def _parse_value(text: str) -> Any:

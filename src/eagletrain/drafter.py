@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,10 @@ from transformers.models.llama.modeling_llama import (
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
-# TTT attention: "flex" (flex_attention over the block-sparse TTT mask; CUDA) or "dense"
-# (the scores materialised, plain matmuls: the reference, and the CPU path)
-TTT_ATTENTION = os.environ.get("EAGLETRAIN_TTT_ATTENTION", "auto")
+# TTT attention (train.ttt_attention): "flex" (flex_attention over the block-sparse TTT
+# mask), "dense" (the scores materialised, plain matmuls: the reference), "auto" (flex on
+# CUDA, dense elsewhere)
+TTTAttention = Literal["auto", "flex", "dense"]
 
 
 @functools.cache
@@ -92,18 +93,19 @@ def dense_ttt_attention(drafter: nn.Module) -> Iterator[None]:
     """TTT attention without flex_attention inside: the same figures with no kernel to
     compile (held-out evaluation: its gradient-free forward would compile one per TTT step
     and shape, 113 s on the H200 for a 135M target's drafter)."""
-    layers = {m: m.allow_flex for m in drafter.modules() if isinstance(m, Eagle3Attention)}
-    for m in layers:
-        m.allow_flex = False
+    layers = {m: m.ttt_attention for m in drafter.modules() if isinstance(m, Eagle3Attention)}
+    set_ttt_attention(drafter, "dense")
     try:
         yield
     finally:
-        for m, allowed in layers.items():
-            m.allow_flex = allowed
+        for m, mode in layers.items():
+            m.ttt_attention = mode
 
 
-def use_flex(x: torch.Tensor) -> bool:
-    return TTT_ATTENTION == "flex" or (TTT_ATTENTION == "auto" and x.is_cuda)
+def set_ttt_attention(drafter: nn.Module, mode: TTTAttention) -> None:
+    for m in drafter.modules():
+        if isinstance(m, Eagle3Attention):
+            m.ttt_attention = mode
 
 
 def drafter_config(
@@ -153,7 +155,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
-        self.allow_flex = True  # dense_ttt_attention() turns it off
+        self.ttt_attention: TTTAttention = "auto"  # set_ttt_attention()
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
@@ -182,7 +184,7 @@ class Eagle3Attention(nn.Module):
         With `segments` (packed rows, [B, t]) the prefix is also cut at sample boundaries."""
         q, k, v = self._qkv(x, cos, sin)
         past = [*earlier, (k, v)]
-        if self.allow_flex and use_flex(x):
+        if self.ttt_attention == "flex" or (self.ttt_attention == "auto" and x.is_cuda):
             t = x.shape[1]
             keys = torch.cat([kj for kj, _ in past], dim=2)
             values = torch.cat([vj for _, vj in past], dim=2)

@@ -30,9 +30,9 @@ from transformers import LlamaConfig
 
 from eagletrain.drafter import Eagle3Drafter
 from eagletrain.errors import EagletrainError, InputError
-from eagletrain.rundir import Run, require_previous
-from eagletrain.train import CHECKPOINT
-from eagletrain.worker import WorkerSession
+from eagletrain.runtime.rundir import Run, require_previous
+from eagletrain.runtime.worker import WorkerSession
+from eagletrain.train.checkpoint import CHECKPOINT, load_checkpoint
 
 STAGE = "export"
 SGLANG_DIR = "sglang"
@@ -161,13 +161,6 @@ def load_exported(directory: Path) -> Eagle3Drafter:
                 f"config implies {tuple(expected[name].shape)}"
             )
     drafter.load_state_dict(state, strict=True)
-    return drafter
-
-
-def load_checkpoint(directory: Path) -> Eagle3Drafter:
-    cfg = LlamaConfig(**json.loads((directory / "drafter_config.json").read_text()))
-    drafter = Eagle3Drafter(cfg)
-    drafter.load_state_dict(load_file(directory / "model.safetensors"), strict=True)
     return drafter
 
 

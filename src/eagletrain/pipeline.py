@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from eagletrain.data import run_data
-from eagletrain.evaluate import run_eval
+from eagletrain.data.stage import run_data
+from eagletrain.evaluate.stage import run_eval
 from eagletrain.export import run_export
-from eagletrain.extract import run_extract
-from eagletrain.rundir import Run
-from eagletrain.train import run_train
+from eagletrain.extract.stage import run_extract
+from eagletrain.runtime.rundir import Run
+from eagletrain.train.stage import run_train
 
 
 def stage_runners(
@@ -18,10 +18,7 @@ def stage_runners(
 ) -> dict[str, Callable[[Run], Any]]:
     return {
         "data": lambda run: run_data(run, partition),
-        # train.online: the target runs inside the training job, nothing to extract
-        "extract": lambda run: (
-            None if run.config.train.online else run_extract(run, partition, allow_partial, repair)
-        ),
+        "extract": lambda run: run_extract(run, partition, allow_partial, repair),
         "train": lambda run: run_train(run, allow_partial),
         "export": lambda run: run_export(run, allow_partial),
         "eval": lambda run: run_eval(run, allow_partial),
@@ -33,8 +30,8 @@ def run_all(
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for stage, runner in stage_runners((0, 1), allow_partial).items():
-        if stage == "extract" and run.config.train.online:
-            log("extract: skipped (train.online: the target runs inside the training job)")
+        if stage in run.config.skipped_stages:
+            log(f"{stage}: skipped ({run.config.skipped_stages[stage]})")
             continue
         if run.ledger.completion(stage) is not None:
             log(f"{stage}: already verified complete, skipping")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagletrain.errors import InputError
-from eagletrain.rundir import Run
+from eagletrain.runtime.rundir import Run
 from eagletrain.stages import STAGES
 
 
@@ -39,7 +39,10 @@ def eval_results(run: Run) -> list[dict[str, Any]]:
     found = []
     for path in [run.dir / "eval" / "results.json", *sorted(run.dir.glob("eval/bench-*.json"))]:
         if path.is_file():
-            found.append({"file": path.name, **json.loads(path.read_text())})
+            saved = json.loads(path.read_text())
+            # results.json holds one result per dataset; a bench file holds one
+            for result in saved.get("results", [saved]):
+                found.append({"file": path.name, **result})
     return found
 
 

@@ -1,3 +1,17 @@
-"""The pipeline's stages, in order (kept free of imports so `status` starts fast)."""
+"""The pipeline's stages, in order, and which a run skips (kept free of imports so `status`
+starts fast)."""
 
 STAGES = ("data", "extract", "train", "export", "eval")
+
+
+def skipped_stages(train_online: bool) -> dict[str, str]:
+    """The stages a run does not run, each with the reason: the one place that decides it."""
+    if train_online:
+        return {"extract": "train.online: the target runs inside the training job"}
+    return {}
+
+
+def previous_stage(stage: str, skipped: dict[str, str]) -> str | None:
+    """The stage whose verified completion `stage` waits for (skipped ones passed over)."""
+    earlier = [s for s in STAGES[: STAGES.index(stage)] if s not in skipped]
+    return earlier[-1] if earlier else None

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# One H200 session of the device tool (../shared/reference/GPU.md), in back-to-back calls
+# while the machine stays warm (/tmp survives between them; 64 MiB travel per call):
+#   PHASE=setup   carry .carry/a (GGUF first half), .carry/c (eval prompt files) and
+#                 .carry/d (ShareGPT JSONL.gz): 65 MB together with the tree (
+#                 gpu/pieces.sh builds .carry/a-d here); on a fresh machine, also
+#                 (in another setup call when over 64 MiB) an earlier call's pieces:
+#                 .carry/r (rundata.tgz.*), .carry/e (export_sglang.tgz.*)
+#   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
+#   PHASE=data    carry .carry/b and, to continue an earlier session's run, .carry/r (its
+#                 rundata.tgz.* pieces): DECODER=auto first measures generate against
+#                 graphed and takes the faster; regenerate + tokenize
+#                 (configs/smollm2-h200.toml) until DATA_S seconds (then the turns in
+#                 flight finish, for DRAIN_S at most), then bring the run's
+#                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
+#                 them into .carry/r here for the next session: a run directory is
+#                 relocatable, tests/test_kill_resume.py)
+#   PHASE=regen   bench/regen_local.py: local regeneration tokens/s per generator
+#                 configuration (REGEN_CONFIGS, KV/ATTENTION/SDPA: the stage's generator
+#                 before packed-gqa first; KV "graphed" is data.regen.decoder = "graphed",
+#                 its compile in the warm-up column); ARRIVAL=1 also cuts batches in arrival order,
+#                 against the whole pool grouped by length; PROFILE=N first profiles one
+#                 batch of N new tokens (the top operators)
+#   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
+#                 (ENGINES, default compiled,static,eager);
+#                 ENGINE_PROFILE=chain profiles a chain decode on each engine
+#   PHASE=train   extract (skipped with train.online), train under torchrun until TRAIN_S
+#                 seconds (the next call resumes), export once training is complete;
+#                 ALLOW_PARTIAL=1 to go on with what an unfinished data stage holds
+#   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
+#                 and held-out at T=0 and 1, chain 3 and tree, each speedup against plain
+#                 decoding on the same engine; the JSON results come back as one tgz
+# Everything a phase measures lands in $OUT (logs, JSON), the run itself in /tmp/q.
+set -uo pipefail
+PHASE="${PHASE:?set PHASE}"
+mkdir -p /tmp/m /tmp/c
+if [ "$PHASE" = setup ]; then
+  # whatever is carried: the GGUF's first half, prompt files, ShareGPT, and (to continue on
+  # a fresh machine) an earlier call's run pieces: rundata.tgz.* and export_sglang.tgz.*
+  [ -d .carry/a ] && cp .carry/a/gguf.part.aa /tmp/m/
+  for d in c d; do [ -d .carry/$d ] && cp .carry/$d/* /tmp/c/; done
+  mkdir -p /tmp/q
+  for p in r/rundata e/export_sglang; do
+    if ls .carry/$p.tgz.* >/dev/null 2>&1; then cat .carry/$p.tgz.* | tar -C /tmp/q -xzf - || exit 1; fi
+  done
+  ls -la /tmp/m /tmp/c /tmp/q
+  exit 0
+fi
+M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f $M ] || cat /tmp/m/gguf.part.aa .carry/b/gguf.part.ab > $M
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $M" | sha256sum -c || exit 1
+[ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/b/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src EAGLETRAIN_CACHE=/tmp/cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+DATA_FILE="${DATA_FILE:-sharegpt_all.jsonl.gz}"
+SETS=(--set target.model="$M" --set data.source=/tmp/c/$DATA_FILE --set eval.datasets=[\"/tmp/c/question.jsonl\"])
+# EXTRA_SETS: more overrides (a dry run on a CPU: smaller, float32)
+read -r -a EXTRA <<< "${EXTRA_SETS:-}"
+SETS+=("${EXTRA[@]}")
+CFG=configs/smollm2-h200.toml
+ledger_times() {
+  python3 -m eagletrain status /tmp/q | tee -a $OUT/$1
+  python3 - <<'PY' | tee -a $OUT/$1
+import sqlite3
+c = sqlite3.connect("/tmp/q/ledger.sqlite")
+for stage, a, b in c.execute("SELECT stage, started_at, finished_at FROM stages"):
+    last = c.execute("SELECT max(finished_at) FROM items WHERE stage=?", (stage,)).fetchone()[0]
+    print(f"stage_seconds {stage} {(b or last or a) - a:.1f}")
+PY
+}
+case "$PHASE" in
+bench)
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee $OUT/train_bench.log
+  timeout 250 python3 bench/train.py --attention flex --recompute off,on --compile off,on \
+    --batches 8,16 --iters 3 2>&1 | grep -v -i "warn" | tee -a $OUT/train_bench.log
+  for spec in "bfloat16 /tmp" "float8_e4m3fn /tmp" "bfloat16 /dev/shm"; do
+    set -- $spec
+    timeout 95 python3 bench/extract.py --model "$M" --source /tmp/c/$DATA_FILE \
+      --dtype bfloat16 --store-dtype $1 --samples 1024 --max-length 1024 --batch-tokens 32768 \
+      --out $2 --repeats 2 --writer-threads 8 2>&1 | grep -v -i "warn\|Loading\|━\|Convert\|Writing" \
+      | tail -6 | tee -a $OUT/extract_bench.log
+  done ;;
+data)
+  [ -f /tmp/c/$DATA_FILE ] || cp .carry/d/$DATA_FILE /tmp/c/ || exit 1
+  if [ ! -d /tmp/q ] && ls .carry/r/rundata.tgz.* >/dev/null 2>&1; then
+    mkdir -p /tmp/q && cat .carry/r/rundata.tgz.* | tar -C /tmp/q -xzf - || exit 1
+    python3 -m eagletrain status /tmp/q | head -3 | tee $OUT/restored.log
+  fi
+  # DECODER=auto first measures both local decoders on the same first turns (bench/
+  # regen_local.py: generate against graphed, whose compile is its warm-up) and
+  # regenerates with the faster; DECODER=generate|graphed picks one; unset, the config's
+  start=$SECONDS
+  decoder=${DECODER:-}
+  if [ "$decoder" = auto ]; then
+    timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
+      --dtype "${DTYPE:-bfloat16}" --prompts "${REGEN_PROMPTS:-512}" --batch "${REGEN_BATCH:-512}" \
+      --max-tokens "${MAX_NEW:-256}" --configs dynamic/packed-gqa/no-cudnn,graphed/packed-gqa/no-cudnn \
+      2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log
+    rate() { sed -n "s|^row $1 grouped .*tok_s=\([0-9]*\)\$|\1|p" $OUT/regen_bench.log; }
+    generate=$(rate dynamic/packed-gqa/no-cudnn) graphed=$(rate graphed/packed-gqa/no-cudnn)
+    decoder=generate
+    [ "${graphed:-0}" -gt "${generate:-0}" ] && decoder=graphed
+    echo "decoder=$decoder (generate ${generate:-none} tok/s, graphed ${graphed:-none})" | tee -a $OUT/regen_bench.log
+  fi
+  [ -n "$decoder" ] && SETS+=(--set "data.regen.decoder=$decoder")
+  # at DATA_S from the call's start a first SIGINT: no new turn, the turns in flight finish
+  # (a batch or two); DRAIN_S later a second: stop now (finished turns are kept). Then the
+  # run's data stage comes back
+  python3 -m eagletrain data $CFG --run-dir /tmp/q "${SETS[@]}" > /tmp/data_call.log 2>&1 &
+  pid=$!
+  left=$(( ${DATA_S:-420} - (SECONDS - start) ))
+  ( sleep $(( left > 30 ? left : 30 )); kill -INT $pid; sleep "${DRAIN_S:-45}"; kill -INT $pid ) >/dev/null 2>&1 &
+  timer=$!
+  wait $pid
+  pkill -P $timer; kill $timer 2>/dev/null
+  grep -v "━\|Converting" /tmp/data_call.log | tail -5 | tee $OUT/data.log
+  ledger_times data.log
+  tar -C /tmp/q -czf - config.toml ledger.sqlite data | split -b 15M - $OUT/rundata.tgz. ;;
+train)
+  # extract (skipped by the stage itself when train.online), then train until TRAIN_S
+  # seconds: a stop saves the step in flight and the next call resumes; export when done
+  python3 -m eagletrain extract $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -5 | tee $OUT/train.log
+  timeout -s INT "${TRAIN_S:-540}" torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
+  python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -4 | tee -a $OUT/train.log
+  ledger_times train.log
+  cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json $OUT/ 2>/dev/null
+  # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come back
+  tar -C /tmp/q -czf - export/sglang | split -b 15M - $OUT/export_sglang.tgz. ;;
+decode)
+  # one process per engine (a failure or time limit in one leaves the rest); each builds
+  # its engine once for every dataset and temperature and saves each result as it is done
+  ENGINES="${ENGINES:-compiled,eager}"
+  for engine in ${ENGINES//,/ }; do
+    timeout "${DECODE_S:-240}" python3 bench/decode.py /tmp/q --model "$M" --engines $engine \
+      --datasets "${DATASETS:-/tmp/c/question.jsonl,/tmp/c/HumanEval.jsonl.gz,heldout}" \
+      --temperatures "${TEMPERATURES:-0,1}" --prompts "${PROMPTS:-3}" --max-new "${MAX_NEW:-128}" \
+      2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
+  done
+  tar -C /tmp/q/eval -czf $OUT/bench_json.tgz . ;;
+regen)
+  # local regeneration tokens/s per generator configuration (KV cache, attention, SDPA)
+  timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
+    --dtype bfloat16 --prompts "${REGEN_PROMPTS:-1024}" --batch 512 --max-tokens "${MAX_NEW:-128}" \
+    ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} ${ARRIVAL:+--arrival} --profile "${PROFILE:-0}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
+engines)
+  # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
+  # compiled first: the engine served, and the one a time limit must not cut (sixth part)
+  timeout "${ENGINE_S:-240}" python3 bench/decode_engine.py --dtype bfloat16 --tokens 96 \
+    --engines "${ENGINES:-compiled,static,eager}" ${ENGINE_PROFILE:+--profile $ENGINE_PROFILE} \
+    2>&1 | grep -v -i "warn" | tee $OUT/decode_engine.log ;;
+esac
+exit 0

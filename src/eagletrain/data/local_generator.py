@@ -1,0 +1,196 @@
+"""Regeneration with the in-process target: requests from many conversations are gathered
+into left-padded batches for `model.generate` (or, with `decoder = "graphed"`, for
+static_batch_decoder.py's fixed-shape steps), so the CPU demo and GPU runs need no server.
+
+It offers the same `complete(messages) -> Completion` as the HTTP client, so the
+multi-turn driver in regenerate.py does not know which one it talks to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from eagletrain.config import RegenerateConfig
+from eagletrain.data.api_client import Completion
+from eagletrain.decode.batch_decoder import StaticBatchDecoder
+from eagletrain.decode.packed_gqa import set_attention
+
+T = TypeVar("T")
+
+
+def length_grouped(
+    requests: list[T], batch_size: int, messages: Callable[[T], list[dict[str, str]]]
+) -> list[list[T]]:
+    """Batches of at most `batch_size` requests of similar length (characters of their
+    messages, a proxy for tokens): a left-padded batch runs at its longest prompt's width,
+    so grouping by length keeps the padding, and the prefill and cache it costs, small."""
+    ordered = sorted(requests, key=lambda r: sum(len(m.get("content") or "") for m in messages(r)))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+class LocalGenerator:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        cfg: RegenerateConfig,
+        seed: int = 0,
+        max_prompt_tokens: int | None = None,
+    ):
+        """`max_prompt_tokens` bounds a request's prompt (the graphed decoder's cache holds
+        it plus `cfg.max_tokens`); longer prompts are refused there."""
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.device = next(model.parameters()).device
+        self.seed = seed
+        self.requests = 0
+        self.retries = 0  # local generation does not retry; kept for the same summary
+        self.memory_splits = 0  # batches halved because the device ran out of memory
+        self._queue: asyncio.Queue[tuple[list[dict[str, str]], asyncio.Future]] = asyncio.Queue()
+        self._worker: asyncio.Task | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        self.pad_id = tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = tokenizer.eos_token_id
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos = sorted(set(eos))
+        set_attention(model, cfg.attention)
+        self._decoder: StaticBatchDecoder | None = None
+        if cfg.decoder == "graphed":
+            if max_prompt_tokens is None:
+                raise ValueError('decoder "graphed" needs max_prompt_tokens')
+            self._decoder = StaticBatchDecoder(
+                model,
+                rows=cfg.batch_size,
+                width=max_prompt_tokens + cfg.max_tokens,
+                temperature=cfg.temperature,
+                compile=self.device.type == "cuda",
+            )
+
+    def _sdpa_backends(self) -> contextlib.AbstractContextManager:
+        if self.device.type != "cuda" or self.cfg.sdpa_cudnn:
+            return contextlib.nullcontext()
+        allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        return sdpa_kernel(allowed)
+
+    @property
+    def in_flight(self) -> int:
+        """Conversations to keep open: the waiting pool that batches are grouped from."""
+        return self.cfg.batch_size * self.cfg.in_flight_batches
+
+    async def __aenter__(self) -> LocalGenerator:
+        # one thread runs every batch: CUDA graphs are recorded per thread
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen")
+        self._worker = asyncio.create_task(self._serve())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+
+    async def complete(self, messages: list[dict[str, str]]) -> Completion:
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self._queue.put((messages, future))
+        return await future
+
+    async def _serve(self) -> None:
+        while True:
+            waiting = [await self._queue.get()]
+            await asyncio.sleep(0)  # let the other conversations enqueue their turn
+            while not self._queue.empty():
+                waiting.append(self._queue.get_nowait())
+            for batch in length_grouped(waiting, self.cfg.batch_size, lambda w: w[0]):
+                try:
+                    results = await asyncio.get_running_loop().run_in_executor(
+                        self._thread, self.generate, [m for m, _ in batch]
+                    )
+                except Exception as err:  # hand the error to every waiting conversation
+                    for _, future in batch:
+                        future.set_exception(err)
+                    continue
+                for (_, future), result in zip(batch, results, strict=True):
+                    future.set_result(result)
+
+    def generate(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
+        """One completion per conversation; a batch the device cannot hold is halved (and
+        each half again) rather than failing, so a large batch_size costs speed, not the run."""
+        try:
+            return self._generate_batch(conversations)
+        except torch.OutOfMemoryError:
+            if len(conversations) == 1 or self._decoder is not None:
+                raise  # the graphed decoder's shapes do not shrink with the batch
+        self.memory_splits += 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        half = len(conversations) // 2
+        return self.generate(conversations[:half]) + self.generate(conversations[half:])
+
+    @torch.inference_mode()
+    def _generate_batch(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
+        prompts = [
+            self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+            for m in conversations
+        ]
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        sampling = self.cfg.temperature > 0
+        if sampling:
+            torch.manual_seed(self.seed + self.requests)
+        with self._sdpa_backends():
+            if self._decoder is not None:
+                outputs = self._decoder.generate(
+                    encoded, self.cfg.max_tokens, set(self.eos), self.pad_id
+                )
+            else:
+                outputs = self._generate(encoded, sampling)
+        self.requests += len(encoded)
+        results = []
+        for e, tokens in zip(encoded, outputs, strict=True):
+            ended = next((j for j, t in enumerate(tokens) if t in self.eos), None)
+            kept = tokens if ended is None else tokens[:ended]
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            results.append(
+                Completion(
+                    text=text,
+                    reasoning=None,
+                    finish_reason="stop" if ended is not None else "length",
+                    prompt_tokens=len(e),
+                    completion_tokens=len(kept) + (ended is not None),
+                    token_ids=kept,
+                )
+            )
+        return results
+
+    def _generate(self, encoded: list[list[int]], sampling: bool) -> list[list[int]]:
+        """New tokens per prompt through transformers' generate (left-padded)."""
+        longest = max(len(e) for e in encoded)
+        # left padding: every row's next token lands in the same column
+        ids = torch.full((len(encoded), longest), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for row, e in enumerate(encoded):
+            ids[row, longest - len(e) :] = torch.tensor(e)
+            attention[row, longest - len(e) :] = 1
+        static = {"cache_implementation": "static", "disable_compile": True}
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            max_new_tokens=self.cfg.max_tokens,
+            do_sample=sampling,
+            temperature=self.cfg.temperature if sampling else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos,
+            **(static if self.cfg.kv_cache == "static" else {}),
+        )[:, longest:].cpu()
+        return out.tolist()

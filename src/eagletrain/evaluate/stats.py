@@ -1,0 +1,57 @@
+"""Acceptance figures: tau pooled over cycles, per-position acceptance, the share of cycles
+no drafter could have extended (the target's token outside the draft vocabulary), and a
+bootstrap confidence interval over prompts (prompts, not cycles, are the sampled unit)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def pooled_tau(accepted_per_cycle: Sequence[int]) -> float:
+    """Tokens per draft-verify cycle including the target's bonus token, pooled over cycles."""
+    if not accepted_per_cycle:
+        return 0.0
+    return sum(a + 1 for a in accepted_per_cycle) / len(accepted_per_cycle)
+
+
+def per_position_acceptance(accepted_per_cycle: Sequence[int], k: int) -> list[float]:
+    """Fraction of cycles whose j-th draft token (j = 1..k) was accepted."""
+    cycles = max(len(accepted_per_cycle), 1)
+    return [sum(a >= j for a in accepted_per_cycle) / cycles for j in range(1, k + 1)]
+
+
+def tau_interval(
+    per_prompt: Sequence[Sequence[int]], level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """The `level` percentile-bootstrap interval of the pooled tau, resampling prompts with
+    replacement (each prompt's accepted counts per cycle stay together)."""
+    used = [p for p in per_prompt if len(p)]
+    if not used:
+        return (0.0, 0.0)
+    tokens = np.array([sum(a + 1 for a in p) for p in used], dtype=np.float64)
+    cycles = np.array([len(p) for p in used], dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(used), size=(BOOTSTRAP_RESAMPLES, len(used)))
+    taus = tokens[picks].sum(1) / cycles[picks].sum(1)
+    low, high = np.quantile(taus, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
+def out_of_vocab_share(
+    accepted_per_cycle: Sequence[int], bonus_tokens: Sequence[int], in_draft_vocab, k: int
+) -> float:
+    """Share of cycles that ended early on a target token outside the draft vocabulary:
+    the drafter could not have proposed it, whatever it had learned. `in_draft_vocab(t)`
+    says whether target token t is in the draft vocabulary."""
+    if not accepted_per_cycle:
+        return 0.0
+    ended = sum(
+        1
+        for a, t in zip(accepted_per_cycle, bonus_tokens, strict=True)
+        if a < k and not in_draft_vocab(t)
+    )
+    return ended / len(accepted_per_cycle)

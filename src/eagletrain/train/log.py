@@ -1,0 +1,71 @@
+"""Training metrics, written by rank 0 only: one JSON line per step and per held-out
+evaluation in train/metrics.jsonl, and the same scalars as TensorBoard events in
+train/tensorboard. On resume, lines and events after the resumed step are dropped, so a
+replayed step never appears twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eagletrain.train.state import truncate_metrics
+
+
+class TrainLog:
+    def __init__(self, train_dir: Path, resumed_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.path = train_dir / "metrics.jsonl"
+        if not enabled:
+            return
+        truncate_metrics(self.path, resumed_step)
+        self.file = self.path.open("a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # a declared dependency, but an image may lack it
+            print("train: no TensorBoard events (the tensorboard package is not installed)")
+            self.board = _NoBoard()
+            return
+        # purge_step: TensorBoard discards earlier events at steps >= the resumed one
+        self.board = SummaryWriter(str(train_dir / "tensorboard"), purge_step=resumed_step + 1)
+
+    def step(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key not in ("step", "epoch") and isinstance(value, int | float):
+                self.board.add_scalar(f"train/{key}", value, record["step"])
+
+    def evaluation(self, step: int, figures: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, "eval": figures}) + "\n")
+        self.board.add_scalar(
+            "heldout/simulated_acceptance_length", figures["simulated_acceptance_length"], step
+        )
+        self.board.add_scalar("heldout/loss", figures["heldout_loss"], step)
+        for k, acc in enumerate(figures["heldout_acc"]):
+            self.board.add_scalar(f"heldout/acc_{k}", acc, step)
+        self.flush()
+
+    def flush(self) -> None:
+        if self.enabled:
+            self.file.flush()
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            self.board.close()
+
+
+class _NoBoard:
+    def add_scalar(self, *args: object) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
