@@ -210,3 +210,21 @@ def status_json(run_dir: Path, **env: str) -> dict[str, dict]:
     assert result.returncode == 0, result.stderr
     assert elapsed < 15.0, f"status took {elapsed:.2f}s: did it wait on the running stage?"
     return {s["stage"]: s for s in json.loads(result.stdout)}
+
+
+def wait_for(predicate, timeout: float = 120.0, every: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r["step"] for r in records if "eval" not in r]
+    assert len(steps) == len(set(steps)), "a step was logged twice"
+    return {r["step"]: r["loss"] for r in records if "eval" not in r}

@@ -17,8 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from conftest import cli_env, eagletrain, status_json
-from test_train_resume import _losses
+from conftest import cli_env, eagletrain, status_json, train_losses
 
 from eagletrain.runtime.shards import read_index
 
@@ -117,4 +116,4 @@ def test_twenty_random_kills_lose_and_duplicate_nothing(tiny_config: Path, tmp_p
     assert _done(run, "extract") == _done(reference, "extract")
     _assert_no_duplicates(run, "data", "data")
     _assert_no_duplicates(run, "extract", "hidden")
-    assert _losses(run) == _losses(reference)
+    assert train_losses(run) == train_losses(reference)

@@ -7,22 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
-import time
 from pathlib import Path
 
-from conftest import cli_env, eagletrain, eagletrain_background, status_json
+from conftest import cli_env, eagletrain, eagletrain_background, status_json, wait_for
 
 from eagletrain.runtime.shards import read_index
-
-
-def _wait_for(predicate, timeout: float = 120.0, every: float = 0.2):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError("condition not reached in time")
 
 
 def _extract_rows(run: Path) -> dict[str, str]:
@@ -50,7 +39,7 @@ def test_sigkill_during_extract_then_resume(tiny_config: Path, tmp_path: Path):
             st = status_json(run)["extract"]
             return st if st["done"] >= 8 and st["eta_s"] is not None else None
 
-        seen = _wait_for(extracting)
+        seen = wait_for(extracting)
         assert seen["verdict"] == "running"
         assert 0 < seen["done"] < seen["total"]
         assert seen["rate_per_s"] > 0
@@ -102,7 +91,7 @@ def test_run_dir_moved_mid_stage_resumes_where_it_lands(tiny_config: Path, tmp_p
         "data", tiny_config, "--run-dir", first, env=env, log=tmp_path / "a.log"
     )
     try:
-        _wait_for(lambda: (first / "ledger.sqlite").exists() and status_json(first)["data"]["done"])
+        wait_for(lambda: (first / "ledger.sqlite").exists() and status_json(first)["data"]["done"])
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()

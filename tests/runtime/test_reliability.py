@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, eagletrain, status_json, tiny_config_text
+from conftest import cli_env, eagletrain, status_json, tiny_config_text, wait_for
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "eagletrain"
 
@@ -318,9 +318,7 @@ def test_status_is_unaffected_by_a_worker_whose_output_is_never_read(extracted, 
         env=cli_env(EAGLETRAIN_FAULT_DELAY="extract:0.3"),
     )
     try:
-        from test_kill_resume import _wait_for
-
-        st = _wait_for(lambda: (s := status_json(run)["extract"])["done"] >= 2 and s)
+        st = wait_for(lambda: (s := status_json(run)["extract"])["done"] >= 2 and s)
         assert st["verdict"] == "running"
     finally:
         proc.kill()

@@ -10,8 +10,7 @@ import socket
 import time
 from pathlib import Path
 
-from conftest import cli_env, eagletrain, eagletrain_background, status_json
-from test_kill_resume import _wait_for
+from conftest import cli_env, eagletrain, eagletrain_background, status_json, wait_for
 
 from eagletrain.runtime.ledger import Ledger
 
@@ -38,7 +37,7 @@ def _start_slow_extract(tiny_config: Path, run: Path, tmp_path: Path, name: str)
     proc = eagletrain_background(
         "extract", tiny_config, "--run-dir", run, env=env, log=tmp_path / f"{name}.log"
     )
-    _wait_for(lambda: status_json(run)["extract"]["done"] >= 2)
+    wait_for(lambda: status_json(run)["extract"]["done"] >= 2)
     return proc
 
 
@@ -52,7 +51,7 @@ def test_stopped_worker_is_stalled_then_running_again(tiny_config: Path, tmp_pat
         assert stopped["verdict"] == "stalled"
         assert stopped["note"].startswith("no heartbeat for")
         os.kill(proc.pid, signal.SIGCONT)
-        _wait_for(
+        wait_for(
             lambda: (
                 status_json(run, EAGLETRAIN_STALL_AFTER_S="1")["extract"]["verdict"] == "running"
             )

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_env, eagletrain, status_json
+from conftest import cli_env, eagletrain, status_json, wait_for
 from safetensors.torch import load_file
-from test_kill_resume import _wait_for
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
@@ -132,12 +131,12 @@ def test_fsdp_kill_and_resume_reaches_the_same_losses(tiny_config: Path, tmp_pat
     )
     ranks: list[int] = []
     try:
-        _wait_for(lambda: status_json(killed)["train"]["done"] >= 5, timeout=240)
+        wait_for(lambda: status_json(killed)["train"]["done"] >= 5, timeout=240)
         ranks = _descendants(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # torchrun only: its ranks must die with it
         proc.wait()
         # gone, mid-run: nothing of the killed run writes beside the resumed one
-        _wait_for(lambda: all(_gone(pid) for pid in ranks), timeout=30)
+        wait_for(lambda: all(_gone(pid) for pid in ranks), timeout=30)
     finally:
         _kill_tree(proc, ranks)
     assert len(ranks) == 2, ranks

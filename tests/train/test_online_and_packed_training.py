@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import eagletrain, status_json
 
 
-def _losses(run: Path) -> list[float]:
+def loss_curve(run: Path) -> list[float]:
     lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
     return [r["loss"] for r in map(json.loads, lines) if "eval" not in r]
 
@@ -21,7 +21,7 @@ def _train(config: Path, run: Path, *sets: str, extract: bool) -> list[float]:
     for stage in stages:
         result = eagletrain(stage, config, "--run-dir", run, *overrides)
         assert result.returncode == 0, (stage, result.stderr)
-    return _losses(run)
+    return loss_curve(run)
 
 
 def _assert_close(a: list[float], b: list[float]) -> None:

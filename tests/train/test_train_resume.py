@@ -10,16 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, eagletrain, eagletrain_background, status_json
-from test_kill_resume import _wait_for
-
-
-def _losses(run: Path) -> dict[int, float]:
-    lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    steps = [r["step"] for r in records if "eval" not in r]
-    assert len(steps) == len(set(steps)), "a step was logged twice"
-    return {r["step"]: r["loss"] for r in records if "eval" not in r}
+from conftest import cli_env, eagletrain, eagletrain_background, status_json, train_losses, wait_for
 
 
 def _prepare(config: Path, run: Path) -> None:
@@ -38,7 +29,7 @@ def _straight_and_other(config: Path, tmp_path: Path, overrides: list[str], othe
 
 
 def _assert_same_losses(straight: Path, other: Path) -> None:
-    expected, got = _losses(straight), _losses(other)
+    expected, got = train_losses(straight), train_losses(other)
     assert sorted(got) == sorted(expected)
     for step, loss in expected.items():
         assert abs(got[step] - loss) <= 1e-6 * max(1.0, abs(loss)), (step, got[step], loss)
@@ -53,7 +44,7 @@ def test_kill_during_training_resumes_to_the_same_loss_curve(tiny_config: Path, 
         "train", tiny_config, "--run-dir", killed, *overrides, env=env, log=tmp_path / "t.log"
     )
     try:
-        _wait_for(lambda: status_json(killed)["train"]["done"] >= 7)
+        wait_for(lambda: status_json(killed)["train"]["done"] >= 7)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -83,7 +74,7 @@ def test_a_signal_stops_training_after_the_step_in_flight(
         "train", tiny_config, "--run-dir", stopped, *overrides, env=env, log=log
     )
     try:
-        _wait_for(lambda: status_json(stopped)["train"]["done"] >= 4)
+        wait_for(lambda: status_json(stopped)["train"]["done"] >= 4)
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=60) == 130, log.read_text()
     finally:
@@ -92,7 +83,7 @@ def test_a_signal_stops_training_after_the_step_in_flight(
     assert train["verdict"] == "stopped", train
     saved = sorted(p.name for p in (stopped / "train").glob("resume-*"))
     assert saved == [f"resume-{train['done']:08d}"], saved
-    assert len(_losses(stopped)) == train["done"]
+    assert len(train_losses(stopped)) == train["done"]
 
     resumed = eagletrain("train", tiny_config, "--run-dir", stopped, *overrides, env=cli_env())
     assert resumed.returncode == 0, resumed.stderr
@@ -116,7 +107,7 @@ def test_best_heldout_evaluation_selects_the_checkpoint(tiny_config: Path, tmp_p
     overrides = ["--set", "train.epochs=3", "--set", "train.eval_every=2"]
     result = eagletrain("train", tiny_config, "--run-dir", run, *overrides)
     assert result.returncode == 0, result.stderr
-    steps = sorted(_losses(run))
+    steps = sorted(train_losses(run))
     per_epoch = len(steps) // 3
     evals = _evaluations(run)
     expected = sorted({s for s in steps if s % 2 == 0} | {per_epoch * e for e in (1, 2, 3)})

@@ -1,0 +1,289 @@
+"""Batched sampling with finished rows refilled: the regeneration and prompt-writing
+decoder (`data.regen.decoder = "continuous"`).
+
+A fixed number of rows share one KV cache of rows x width positions, allocated once; each
+row holds one request at its own length. Every decoding step feeds each row's last token
+at that row's own position and has the same shapes, so it runs as a CUDA graph on a GPU
+(one graph per attention width bucket). Every `check_every` steps the host reads which
+rows have finished (end of sequence or their token budget), hands their tokens back, and
+prefills waiting requests into the freed rows: no row idles until a batch's longest reply
+ends, which is where the fixed-batch decoder lost most of its steps.
+
+Attention reads only what is live: "sdpa" attends the widest live row's length (rounded
+up to a bucket); "flex" (flex_attention, GPUs) skips each row's blocks past its own
+length. The decoder layers are transformers' own modules, driven here because
+transformers' caches write every row of a batch at one position.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from eagletrain.decode.compiled import compiled_steps
+from eagletrain.errors import ConfigError
+
+Attention = Literal["sdpa", "flex"]
+BUCKET = 128  # attention widths are multiples of this (one compiled graph per width)
+
+
+@dataclass(frozen=True)
+class Request:
+    id: object
+    prompt: list[int]
+    max_new: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    request: Request
+    tokens: list[int]  # new tokens, through the first end-of-sequence token if any
+    stopped: bool  # ended on an end-of-sequence token (else: its budget)
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """The layers this decoder drives: Llama-shaped (q/k/v/o projections, two norms, MLP)."""
+    layer = model.model.layers[0]
+    attn = getattr(layer, "self_attn", None)
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if attn is None or not all(hasattr(attn, n) for n in needed) or hasattr(attn, "q_norm"):
+        raise ConfigError(
+            f"data.regen.decoder = 'continuous' drives Llama-shaped decoder layers; "
+            f"{type(model).__name__} is not one: use decoder 'generate'"
+        )
+
+
+class ContinuousDecoder:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rows: int,
+        width: int,
+        max_new: int,
+        eos: set[int],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        attention: Attention = "sdpa",
+        compile: bool = False,
+        check_every: int = 8,
+    ):
+        check_supported(model)
+        self.model, self.rows, self.eos = model, rows, sorted(eos)
+        self.width = math.ceil(width / BUCKET) * BUCKET
+        self.temperature, self.top_p, self.attention = temperature, top_p, attention
+        self.check_every = check_every
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cfg = model.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        shape = (rows, self.kv_heads, self.width, self.head_dim)
+        self.keys = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in model.model.layers
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        # each row's state, on the device (the compiled step updates it in place)
+        zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.tokens, self.lengths, self.counts, self.limits = (zeros.clone() for _ in range(4))
+        self.active = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        self.eos_ids = torch.tensor(self.eos or [-1], dtype=torch.long, device=self.device)
+        self.row_index = torch.arange(rows, device=self.device)
+        self.max_new = max_new
+        self.generated = torch.zeros(rows, max_new, dtype=torch.long, device=self.device)
+        for t in (*self.keys, *self.values, self.tokens, self.lengths, self.counts, self.limits,
+                  self.active, self.generated):  # fmt: skip
+            torch._dynamo.mark_static_address(t)
+        self.step = compiled_steps(self._step, compile)
+        self.steps_run = 0
+        self.attended_columns = 0  # row x column reads of the cache, summed over steps
+
+    # ---- the model, layer by layer --------------------------------------------------------
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: Callable
+    ) -> torch.Tensor:
+        """Final-norm hidden states of `ids` [n, t] at `positions`; `attend(layer, q, k, v)`
+        stores the new keys/values and returns the attention output [n, heads, t, dim]."""
+        inner = self.model.model
+        h = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(h, positions)
+        n, t = ids.shape
+        for i, layer in enumerate(inner.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(n, t, -1, self.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(n, t, -1, self.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(n, t, -1, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            o = attend(i, q, k, v)
+            h = h + a.o_proj(o.transpose(1, 2).reshape(n, t, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return inner.norm(h)
+
+    def _sample(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The next token per row from final-norm hidden states [n, H]: the argmax at
+        temperature 0, else a Gumbel-max sample of softmax(logits / T), top-p filtered
+        (no host round trip either way)."""
+        logits = self.model.lm_head(hidden).float()
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        logits = logits / self.temperature
+        if self.top_p < 1.0:
+            ordered, order = logits.sort(-1, descending=True)
+            probs = ordered.softmax(-1)
+            outside = probs.cumsum(-1) - probs > self.top_p  # the smallest set reaching top_p
+            ordered = ordered.masked_fill(outside, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+        noise = -torch.log(-torch.log(torch.rand_like(logits).clamp(min=1e-20)))
+        return (logits + noise).argmax(-1)
+
+    def _step(self, live: int) -> None:
+        """One decoding step of every row, in place: feed each row's token at its length,
+        sample the next, advance the rows still running."""
+        pos = self.lengths.clamp(max=self.width - 1)  # a finished row writes nowhere useful
+
+        def attend(i: int, q, k, v):
+            self.keys[i][self.row_index, :, pos] = k[:, :, 0]
+            self.values[i][self.row_index, :, pos] = v[:, :, 0]
+            keys, values = self.keys[i][:, :, :live], self.values[i][:, :, :live]
+            if self.attention == "flex":
+                return _flex_decode(q, keys, values, pos)
+            # one query token: a group's query heads stand in for query positions, so the
+            # keys and values are read once per key/value head, with a per-row length mask
+            n, heads = q.shape[:2]
+            grouped = q.view(n, self.kv_heads, heads // self.kv_heads, self.head_dim)
+            allowed = (torch.arange(live, device=q.device)[None] <= pos[:, None])[:, None, None]
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=allowed)
+            return out.reshape(n, heads, 1, self.head_dim)
+
+        hidden = self._forward(self.tokens[:, None], pos[:, None], attend)
+        new = self._sample(hidden[:, -1])
+        running = self.active
+        self.lengths.copy_(torch.where(running, self.lengths + 1, self.lengths))
+        at = self.counts.clamp(max=self.generated.shape[1] - 1)
+        kept = torch.where(running, new, self.generated[self.row_index, at])
+        self.generated[self.row_index, at] = kept
+        self.counts.copy_(torch.where(running, self.counts + 1, self.counts))
+        self.tokens.copy_(torch.where(running, new, self.tokens))
+        ended = torch.isin(new, self.eos_ids) | (self.counts >= self.limits)
+        self.active.copy_(running & ~ended)
+
+    def _prefill(self, slots: list[int], requests: list[Request]) -> None:
+        """Each request's prompt into its row (right-padded; pads come after the real tokens
+        and are never attended), and its first token sampled."""
+        longest = max(len(r.prompt) for r in requests)
+        ids = torch.zeros(len(requests), longest, dtype=torch.long)
+        for j, r in enumerate(requests):
+            ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
+        ids = ids.to(self.device)
+        rows = torch.tensor(slots, device=self.device)
+        positions = torch.arange(longest, device=self.device)[None].expand(len(slots), -1)
+
+        def attend(i: int, q, k, v):
+            self.keys[i][rows, :, :longest] = k
+            self.values[i][rows, :, :longest] = v
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        hidden = self._forward(ids, positions, attend)
+        last = torch.tensor([len(r.prompt) - 1 for r in requests], device=self.device)
+        first = self._sample(hidden[torch.arange(len(slots), device=self.device), last])
+        lengths = torch.tensor([len(r.prompt) for r in requests], device=self.device)
+        limits = torch.tensor([r.max_new for r in requests], device=self.device)
+        self.tokens[rows] = first
+        self.lengths[rows] = lengths
+        self.counts[rows] = 1
+        self.limits[rows] = limits
+        self.generated[rows, 0] = first
+        self.active[rows] = ~torch.isin(first, self.eos_ids) & (limits > 1)
+
+    @torch.inference_mode()
+    def run(self, take: Take) -> Iterator[Finished]:
+        """Decode requests as `take(free rows, wait)` hands them over, yielding each as it
+        finishes. `take` returns up to that many requests (blocking only when `wait`: no
+        row is busy), or None once there will be no more. A request whose prompt and
+        budget exceed the cache is a ValueError."""
+        self.active.zero_()
+        held: list[Request | None] = [None] * self.rows
+        reach = [0] * self.rows  # an upper bound of each row's cache length, on the host
+        exhausted = False
+        while True:
+            free = [r for r in range(self.rows) if held[r] is None]
+            idle = len(free) == self.rows
+            fresh = [] if exhausted or not free else take(len(free), idle)
+            if fresh is None:
+                exhausted, fresh = True, []
+            if fresh:
+                fresh = [self._admitted(r) for r in fresh]
+                slots = free[: len(fresh)]
+                self._prefill(slots, fresh)
+                for slot, request in zip(slots, fresh, strict=True):
+                    held[slot], reach[slot] = request, len(request.prompt)
+            if all(h is None for h in held):
+                if exhausted:
+                    return
+                continue
+            for _ in range(self.check_every):
+                live = min(self.width, math.ceil((max(reach) + 1) / BUCKET) * BUCKET)
+                self.step(live)
+                self.steps_run += 1
+                self.attended_columns += self.rows * live
+                reach = [min(x + 1, self.width - 1) for x in reach]
+            active = self.active.tolist()
+            done = [r for r in range(self.rows) if held[r] is not None and not active[r]]
+            if not done:
+                continue
+            index = torch.tensor(done, device=self.device)
+            counts = self.counts[index].tolist()
+            rows = self.generated[index].tolist()
+            for r, n, tokens in zip(done, counts, rows, strict=True):
+                request, held[r], reach[r] = held[r], None, 0
+                tokens = tokens[:n]
+                yield Finished(request, tokens, bool(tokens) and tokens[-1] in self.eos)
+
+    def _admitted(self, request: Request) -> Request:
+        budget = min(request.max_new, self.max_new)
+        if len(request.prompt) + budget > self.width:
+            raise ValueError(
+                f"request {request.id}: {len(request.prompt)} prompt tokens + {budget} new "
+                f"exceed the decoder's {self.width} positions"
+            )
+        return Request(request.id, request.prompt, budget)
+
+
+# (rows free, wait for one) -> requests for them, or None when there will be no more
+Take = Callable[[int, bool], list[Request] | None]
+
+
+def take_from(requests: list[Request]) -> Take:
+    """A fixed list of requests as a source for `ContinuousDecoder.run`."""
+    source = iter(requests)
+
+    def take(n: int, wait: bool) -> list[Request] | None:
+        batch = [r for _, r in zip(range(n), source, strict=False)]
+        return batch or None
+
+    return take
+
+
+def _flex_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor):
+    """One query token per row attending columns <= pos[row], blocks past it skipped."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    n, width = q.shape[0], keys.shape[2]
+    blocks = width // BUCKET
+    kv_blocks = (pos // BUCKET + 1).to(torch.int32).view(n, 1, 1)
+    kv_index = torch.arange(blocks, device=q.device, dtype=torch.int32).expand(n, 1, 1, blocks)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= pos[b]
+
+    mask = BlockMask.from_kv_blocks(
+        kv_blocks, kv_index.contiguous(), BLOCK_SIZE=BUCKET, mask_mod=mask_mod,
+        seq_lengths=(1, width),
+    )  # fmt: skip
+    return flex_attention(q, keys, values, block_mask=mask, enable_gqa=True)

@@ -1,0 +1,124 @@
+"""The refilling decoder (decode/continuous.py) against transformers' generate on a tiny
+random-weight Llama: the same greedy tokens and ends for every request, with more requests
+than rows (rows refilled as they finish), budgets that differ, compiled or not; sampling
+follows the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_target
+from transformers import LlamaForCausalLM
+
+from eagletrain.decode.continuous import ContinuousDecoder, Request, take_from
+from eagletrain.target import TargetSource, load_target, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    source = TargetSource(build_tiny_target(tmp_path_factory.mktemp("t"), layers=2), "tiny")
+    return load_tokenizer(source), load_target(source, "float32", "cpu")
+
+
+def generate_greedy(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """transformers' generate, one prompt at a time (no padding): the reference."""
+    stops = {"eos_token_id": sorted(eos)} if eos else {"min_new_tokens": max_new}
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=0,
+        **stops,
+    )[0, len(prompt) :].tolist()
+    end = next((i for i, t in enumerate(out) if t in eos), None)
+    return out if end is None else out[: end + 1]
+
+
+def requests(n: int, seed: int = 0) -> list[Request]:
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(2, 30, (1,), generator=rng))
+        prompt = torch.randint(3, 300, (length,), generator=rng).tolist()
+        out.append(Request(i, prompt, int(torch.randint(4, 20, (1,), generator=rng))))
+    return out
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_refilled_rows_give_generates_tokens(tiny, compile):
+    _, model = tiny
+    work = requests(13)
+    # a token that some replies emit part-way becomes the end of sequence, so rows end at
+    # it and at their budgets, at different steps
+    probe = [generate_greedy(model, r.prompt, r.max_new, set()) for r in work]
+    eos = {next(t for t in probe[2][1:] if any(t not in p for p in probe))}
+    expected = {r.id: generate_greedy(model, r.prompt, r.max_new, eos) for r in work}
+    decoder = ContinuousDecoder(model, rows=4, width=64, max_new=24, eos=eos, compile=compile,
+                                check_every=3)  # fmt: skip
+    got = {f.request.id: (f.tokens, f.stopped) for f in decoder.run(take_from(work))}
+    assert {i: tokens for i, (tokens, _) in got.items()} == expected
+    assert {stopped for _, stopped in got.values()} == {True, False}
+    assert all(stopped == (tokens[-1] in eos) for tokens, stopped in got.values())
+    # the cache is reused by another run, with other requests
+    again = {f.request.id: f.tokens for f in decoder.run(take_from(work[::-1][:5]))}
+    assert again == {r.id: expected[r.id] for r in work[::-1][:5]}
+
+
+def test_attention_width_follows_the_live_rows(tiny):
+    """Rows attend only up to the widest live row's length (in buckets), not the whole cache."""
+    _, model = tiny
+    short = [Request(i, [5 + i, 6, 7], 8) for i in range(4)]
+    decoder = ContinuousDecoder(model, rows=4, width=1024, max_new=8, eos=set())
+    list(decoder.run(take_from(short)))
+    assert decoder.attended_columns == decoder.steps_run * 4 * 128  # one bucket, not 1024
+
+
+def test_a_request_beyond_the_cache_is_refused(tiny):
+    _, model = tiny
+    decoder = ContinuousDecoder(model, rows=2, width=128, max_new=16, eos=set())
+    with pytest.raises(ValueError, match="exceed the decoder's 128 positions"):
+        list(decoder.run(take_from([Request("long", list(range(3, 123)), 16)])))
+
+
+def test_sampling_follows_the_targets_distribution():
+    """Gumbel-max at T = 1: the first sampled token's frequencies are as close to
+    softmax(logits) as draws from softmax(logits) itself are; the argmax is not."""
+    from test_drafter import tiny_llama_config
+    from test_speculative import null_threshold
+
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        exact = torch.softmax(model(torch.tensor([[5, 9, 2]])).logits[0, -1].double(), -1)
+    decoder = ContinuousDecoder(model, rows=50, width=128, max_new=1, eos=set(), temperature=1.0)
+    torch.manual_seed(0)
+    seen = [f.tokens[0] for f in decoder.run(take_from([Request(i, [5, 9, 2], 1)
+                                                        for i in range(2000)]))]  # fmt: skip
+    freq = torch.bincount(torch.tensor(seen), minlength=50).double() / len(seen)
+    threshold = null_threshold(exact, len(seen), torch.Generator().manual_seed(1))
+    assert 0.5 * (freq - exact).abs().sum() <= threshold
+    greedy = torch.zeros(50, dtype=torch.float64)
+    greedy[exact.argmax()] = 1.0
+    assert 0.5 * (greedy - exact).abs().sum() > threshold  # the test can fail
+
+
+def test_top_p_samples_only_the_nucleus():
+    from test_drafter import tiny_llama_config
+
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        probs = torch.softmax(model(torch.tensor([[5, 9, 2]])).logits[0, -1].double(), -1)
+    ordered = probs.sort(descending=True)
+    # the smallest set of most likely tokens whose mass reaches 0.6
+    size = int((ordered.values.cumsum(0) < 0.6).sum()) + 1
+    nucleus = set(ordered.indices[:size].tolist())
+    decoder = ContinuousDecoder(
+        model, rows=50, width=128, max_new=1, eos=set(), temperature=1.0, top_p=0.6
+    )
+    seen = {f.tokens[0] for f in decoder.run(take_from([Request(i, [5, 9, 2], 1)
+                                                        for i in range(500)]))}  # fmt: skip
+    assert seen == nucleus and 1 < len(nucleus) < 50
