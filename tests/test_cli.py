@@ -28,9 +28,12 @@ def test_run_finishes_every_stage_and_status_says_done(finished_run: Path):
     stages = status_json(finished_run)
     assert {s: v["verdict"] for s, v in stages.items()} == dict.fromkeys(stages, "done")
     assert stages["extract"]["done"] == stages["extract"]["total"] > 0
-    results = json.loads((finished_run / "eval" / "results.json").read_text())
+    (results,) = json.loads((finished_run / "eval" / "results.json").read_text())["results"]
     assert results["lossless"] is True
     assert 1.0 <= results["tau"] <= 1 + results["draft_steps"]
+    low, high = results["tau_ci95"]
+    assert low <= results["tau"] <= high
+    assert 0.0 <= results["out_of_vocab_share"] <= 1.0
     tree = results["tree"]
     assert tree["cycles"] > 0 and 1.0 <= tree["tau"] <= 1 + tree["depth"]
     assert (finished_run / "export" / "sglang" / "config.json").is_file()
@@ -48,7 +51,7 @@ def test_report_renders_its_plots_from_the_run(finished_run: Path):
         pixels = matplotlib.image.imread(finished_run / "report" / png)
         assert pixels.shape[0] > 200 and pixels.shape[1] > 400
         assert pixels[..., :3].std() > 0.05  # not a blank canvas
-    results = json.loads((finished_run / "eval" / "results.json").read_text())
+    (results,) = json.loads((finished_run / "eval" / "results.json").read_text())["results"]
     assert f"| {results['tau']:.3f} | {results['tree']['tau']:.3f} |" in text
 
 
@@ -158,7 +161,7 @@ def test_eval_at_temperature_one_on_heldout_conversations(tiny_config: Path, tmp
     result = eagletrain("run", tiny_config, "--run-dir", run, *overrides)
     assert result.returncode == 0, result.stderr
     assert "sampling at T=1" in result.stdout
-    results = json.loads((run / "eval" / "results.json").read_text())
+    (results,) = json.loads((run / "eval" / "results.json").read_text())["results"]
     assert results["temperature"] == 1.0 and results["cycles"] > 0
     assert results["tree"]["cycles"] > 0
     heldout = {

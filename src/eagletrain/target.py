@@ -177,3 +177,15 @@ def target_features(
         model.model(input_ids=input_ids, attention_mask=valid.long(), use_cache=False)
         aux = torch.cat([captured[i] for i in aux_ids], dim=-1)
         return aux.clone(), captured[last_id].clone()
+
+
+def target_eos(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    """The target's end-of-sequence ids: its config's, its generation config's and its
+    tokenizer's (a chat model may end a turn on any of them)."""
+    eos: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        ids = getattr(source, "eos_token_id", None)
+        eos |= {int(ids)} if isinstance(ids, int) else {int(i) for i in ids or []}
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return eos

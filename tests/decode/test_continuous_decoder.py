@@ -122,3 +122,27 @@ def test_top_p_samples_only_the_nucleus():
     seen = {f.tokens[0] for f in decoder.run(take_from([Request(i, [5, 9, 2], 1)
                                                         for i in range(500)]))}  # fmt: skip
     assert seen == nucleus and 1 < len(nucleus) < 50
+
+
+def test_regeneration_through_the_continuous_decoder_equals_generate(tiny):
+    """LocalGenerator with decoder "continuous": conversations ask concurrently, rows are
+    refilled as replies end, and every completion equals generate's."""
+    import asyncio
+
+    from eagletrain.config import RegenerateConfig
+    from eagletrain.data.local_generator import LocalGenerator
+
+    tokenizer, model = tiny
+    chats = [[{"role": "user", "content": "w " * n}] for n in (1, 9, 4, 20, 33, 2, 7)]
+    cfg = RegenerateConfig(max_tokens=20, batch_size=3)
+    expected = LocalGenerator(model, tokenizer, cfg).generate(chats)
+    continuous = cfg.model_copy(update={"decoder": "continuous"})
+
+    async def ask_all():
+        async with LocalGenerator(model, tokenizer, continuous, max_prompt_tokens=200) as gen:
+            return await asyncio.gather(*(gen.complete(c) for c in chats))
+
+    got = asyncio.run(ask_all())
+    assert [(c.token_ids, c.finish_reason, c.text) for c in got] == [
+        (c.token_ids, c.finish_reason, c.text) for c in expected
+    ]

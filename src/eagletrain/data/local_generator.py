@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -20,7 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from eagletrain.config import RegenerateConfig
 from eagletrain.data.api_client import Completion
 from eagletrain.decode.batch_decoder import StaticBatchDecoder
+from eagletrain.decode.continuous import ContinuousDecoder, Request
 from eagletrain.decode.packed_gqa import set_attention
+from eagletrain.target import target_eos
 
 T = TypeVar("T")
 
@@ -52,28 +56,39 @@ class LocalGenerator:
         self.requests = 0
         self.retries = 0  # local generation does not retry; kept for the same summary
         self.memory_splits = 0  # batches halved because the device ran out of memory
+        # greedy replies repeat: an empty one would be empty again (regenerate.py)
+        self.deterministic = cfg.temperature == 0
         self._queue: asyncio.Queue[tuple[list[dict[str, str]], asyncio.Future]] = asyncio.Queue()
         self._worker: asyncio.Task | None = None
         self._thread: ThreadPoolExecutor | None = None
         self.pad_id = tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = tokenizer.eos_token_id
-        eos = model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id is not None:
-            eos.append(tokenizer.eos_token_id)
-        self.eos = sorted(set(eos))
+        self.eos = sorted(target_eos(model, tokenizer))
         set_attention(model, cfg.attention)
         self._decoder: StaticBatchDecoder | None = None
+        self._continuous: ContinuousDecoder | None = None
+        if cfg.decoder != "generate" and max_prompt_tokens is None:
+            raise ValueError(f"decoder {cfg.decoder!r} needs max_prompt_tokens")
+        on_gpu = self.device.type == "cuda"
         if cfg.decoder == "graphed":
-            if max_prompt_tokens is None:
-                raise ValueError('decoder "graphed" needs max_prompt_tokens')
             self._decoder = StaticBatchDecoder(
                 model,
                 rows=cfg.batch_size,
                 width=max_prompt_tokens + cfg.max_tokens,
                 temperature=cfg.temperature,
-                compile=self.device.type == "cuda",
+                compile=on_gpu,
+            )
+        elif cfg.decoder == "continuous":
+            self._continuous = ContinuousDecoder(
+                model,
+                rows=cfg.batch_size,
+                width=max_prompt_tokens + cfg.max_tokens,
+                max_new=cfg.max_tokens,
+                eos=set(self.eos),
+                temperature=cfg.temperature,
+                attention=cfg.continuous_attention,
+                compile=on_gpu,
             )
 
     def _sdpa_backends(self) -> contextlib.AbstractContextManager:
@@ -89,11 +104,20 @@ class LocalGenerator:
 
     async def __aenter__(self) -> LocalGenerator:
         # one thread runs every batch: CUDA graphs are recorded per thread
+        if self._continuous is not None:
+            self._loop = asyncio.get_running_loop()
+            self._feed: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+            self._waiting: set[asyncio.Future] = set()
+            self._ending = False
+            threading.Thread(target=self._decode_continuously, name="regen", daemon=True).start()
+            return self
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen")
         self._worker = asyncio.create_task(self._serve())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._continuous is not None:
+            self._feed.put(None)  # the decoder finishes its rows and ends
         if self._worker is not None:
             self._worker.cancel()
         if self._thread is not None:
@@ -101,8 +125,52 @@ class LocalGenerator:
 
     async def complete(self, messages: list[dict[str, str]]) -> Completion:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        await self._queue.put((messages, future))
-        return await future
+        if self._continuous is None:
+            await self._queue.put((messages, future))
+            return await future
+        prompt = self._encode(messages)
+        self._waiting.add(future)
+        self._feed.put(Request(future, prompt, self.cfg.max_tokens))
+        finished = await future
+        self.requests += 1
+        return self._completion(prompt, finished.tokens)
+
+    def _take(self, n: int, wait: bool) -> list[Request] | None:
+        """Up to n queued requests for the decoder's free rows (blocking for the first only
+        when no row is busy); None once the generator is closing and nothing is left."""
+        batch: list[Request] = []
+        while len(batch) < n and not self._ending:
+            try:
+                item = self._feed.get(block=wait and not batch)
+            except queue.Empty:
+                break
+            if item is None:
+                self._ending = True
+                break
+            batch.append(item)
+        return None if not batch and self._ending else batch
+
+    def _decode_continuously(self) -> None:
+        """The decoding thread: every request as rows free up, each answer handed back to
+        its conversation as soon as it ends; an error fails every waiting conversation."""
+
+        def resolve(future: asyncio.Future, result: object, error: BaseException | None):
+            self._waiting.discard(future)
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        try:
+            torch.manual_seed(self.seed)
+            with self._sdpa_backends():
+                for done in self._continuous.run(self._take):
+                    self._loop.call_soon_threadsafe(resolve, done.request.id, done, None)
+        except Exception as err:  # the decoder failed: no conversation waits forever
+            for future in list(self._waiting):
+                self._loop.call_soon_threadsafe(resolve, future, None, err)
 
     async def _serve(self) -> None:
         while True:
@@ -136,13 +204,28 @@ class LocalGenerator:
         half = len(conversations) // 2
         return self.generate(conversations[:half]) + self.generate(conversations[half:])
 
+    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _completion(self, prompt: list[int], tokens: list[int]) -> Completion:
+        """The reply of `tokens` (new tokens, through an end-of-sequence token if any)."""
+        ended = next((j for j, t in enumerate(tokens) if t in self.eos), None)
+        kept = tokens if ended is None else tokens[:ended]
+        return Completion(
+            text=self.tokenizer.decode(kept, skip_special_tokens=True),
+            reasoning=None,
+            finish_reason="stop" if ended is not None else "length",
+            prompt_tokens=len(prompt),
+            completion_tokens=len(kept) + (ended is not None),
+            token_ids=kept,
+        )
+
     @torch.inference_mode()
     def _generate_batch(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
-        prompts = [
-            self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
-            for m in conversations
-        ]
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        encoded = [self._encode(m) for m in conversations]
         sampling = self.cfg.temperature > 0
         if sampling:
             torch.manual_seed(self.seed + self.requests)
@@ -154,22 +237,7 @@ class LocalGenerator:
             else:
                 outputs = self._generate(encoded, sampling)
         self.requests += len(encoded)
-        results = []
-        for e, tokens in zip(encoded, outputs, strict=True):
-            ended = next((j for j, t in enumerate(tokens) if t in self.eos), None)
-            kept = tokens if ended is None else tokens[:ended]
-            text = self.tokenizer.decode(kept, skip_special_tokens=True)
-            results.append(
-                Completion(
-                    text=text,
-                    reasoning=None,
-                    finish_reason="stop" if ended is not None else "length",
-                    prompt_tokens=len(e),
-                    completion_tokens=len(kept) + (ended is not None),
-                    token_ids=kept,
-                )
-            )
-        return results
+        return [self._completion(e, tokens) for e, tokens in zip(encoded, outputs, strict=True)]
 
     def _generate(self, encoded: list[list[int]], sampling: bool) -> list[list[int]]:
         """New tokens per prompt through transformers' generate (left-padded)."""

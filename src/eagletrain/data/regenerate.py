@@ -79,6 +79,7 @@ async def regenerate_conversation(
     `resume` holds turns regenerated earlier (its messages replace a prefix of `messages`);
     `on_turn` sees the conversation so far after each new turn, to store it."""
     out = resume or Regenerated([])
+    ended = "first prompt longer than data.max_length"
     for message in messages[len(out.messages) :]:
         if message["role"] != "assistant":
             out.messages.append(dict(message))
@@ -90,7 +91,11 @@ async def regenerate_conversation(
             raise Stopped
         reply = await backend.complete(history)
         if not reply.text.strip() and not reply.reasoning:
-            raise RequestFailed("empty content")
+            if not getattr(backend, "deterministic", False):
+                raise RequestFailed("empty content")  # a server's empty reply: try again
+            # the same request would get the same empty reply: the conversation ends here
+            ended = "the target's first reply is empty"
+            break
         turn: Message = {"role": "assistant", "content": reply.text}
         if reply.reasoning:
             turn["reasoning_content"] = reply.reasoning
@@ -106,7 +111,7 @@ async def regenerate_conversation(
     while out.messages and out.messages[-1]["role"] != "assistant":
         out.messages.pop()  # a question with no reply teaches nothing
     if not out.finish_reasons:
-        raise NothingToRegenerate("first prompt longer than data.max_length")
+        raise NothingToRegenerate(ended)
     return out
 
 

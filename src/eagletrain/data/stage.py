@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from eagletrain.data.chat_tokenize import tokenize_conversation
 from eagletrain.data.conversations import Record, read_records
+from eagletrain.data.self_prompts import api_writer, local_writer, write_prompts
+from eagletrain.errors import InputError
 from eagletrain.runtime.faults import inject_delay
 from eagletrain.runtime.progress import stage_progress
 from eagletrain.runtime.rundir import Run
@@ -23,19 +26,47 @@ from eagletrain.runtime.shards import IndexEntry, remove_unfinished, sample_chec
 from eagletrain.runtime.stop_request import StopRequest
 from eagletrain.runtime.verify import finalize_items_stage
 from eagletrain.runtime.worker import WorkerSession
-from eagletrain.target import load_tokenizer, resolve_target, template_hash
+from eagletrain.target import (
+    load_target,
+    load_tokenizer,
+    pick_device,
+    resolve_target,
+    target_eos,
+    template_hash,
+)
 
 STAGE = "data"
+SELF_SOURCE = "self"
+EMPTY_REPLY = {"role": "assistant", "content": ""}  # a turn the target will write
 
 
-def planned_records(run: Run) -> tuple[list[Record], int]:
-    """The run's input in its deterministic order (shuffled by seed, limited); a repeated
-    conversation stays an item, skipped as a duplicate, so the counts add up to the input."""
+def _source_records(run: Run, source: str) -> list[Record]:
+    """One source's records: a file's, shuffled by seed and limited; or the prompts the
+    target wrote (each a user turn awaiting the target's reply)."""
     cfg = run.config.data
-    records = list(read_records(cfg.source, cfg.format, cfg.on_malformed))
+    if source == SELF_SOURCE:
+        return [
+            Record(f"self:{slot}", [{"role": "user", "content": text}, EMPTY_REPLY])
+            for slot, text in run.ledger.kept_prompts()
+        ]
+    records = list(read_records(source, cfg.format, cfg.on_malformed))
     random.Random(cfg.shuffle_seed).shuffle(records)
-    if cfg.limit is not None:
-        records = records[: cfg.limit]
+    return records if cfg.limit is None else records[: cfg.limit]
+
+
+def planned_records(run: Run) -> tuple[list[Record], int, dict[str, int]]:
+    """The run's input in its deterministic order (each source shuffled by seed and
+    limited; several sources then mixed by the same seed), the duplicates among it, and
+    the records per source. A repeated conversation stays an item, skipped as a duplicate,
+    so the counts add up to the input. No usable conversation at all is an InputError."""
+    cfg = run.config.data
+    records, per_source = [], {}
+    for source in cfg.sources:
+        found = _source_records(run, source)
+        per_source[source] = len(found)
+        records += found
+    if len(cfg.sources) > 1:
+        random.Random(cfg.shuffle_seed).shuffle(records)
     first_at: dict[str, str] = {}
     planned = []
     for record in records:
@@ -43,7 +74,13 @@ def planned_records(run: Run) -> tuple[list[Record], int]:
         if where != record.where:
             record = Record(record.where, record.messages, "duplicate conversation")
         planned.append(record)
-    return planned, len(records) - len(first_at)
+    if not any(r.rejected is None for r in planned):
+        reasons = Counter(r.rejected for r in planned).most_common(3)
+        why = "; ".join(f"{n} {reason}" for reason, n in reasons) or "it is empty"
+        raise InputError(
+            f"{', '.join(cfg.sources)}: no usable conversation among {len(planned)} records ({why})"
+        )
+    return planned, len(records) - len(first_at), per_source
 
 
 def split_of(key: str, heldout_fraction: float) -> str:
@@ -149,6 +186,7 @@ def _regenerate_and_tokenize(
     by_key: dict[str, Record],
     writer: ChunkWriter,
     advance: Any,
+    local_model: Callable[[], Any],
 ) -> None:
     """Regenerate what the ledger does not hold yet, then tokenize; results as they finish."""
     from eagletrain.data.regenerate import regenerate_all, stored_regeneration
@@ -194,12 +232,13 @@ def _regenerate_and_tokenize(
         return
     if cfg.regenerate == "local":
         from eagletrain.data.local_generator import LocalGenerator
-        from eagletrain.target import load_target, pick_device
 
-        source = resolve_target(run.config.target)
-        model = load_target(source, run.config.target.dtype, pick_device(run.config.target.device))
         backend: Any = LocalGenerator(
-            model, tokenizer, cfg.regen, run.config.run.seed, max_prompt_tokens=cfg.max_length
+            local_model(),
+            tokenizer,
+            cfg.regen,
+            run.config.run.seed,
+            max_prompt_tokens=cfg.max_length,
         )
     else:
         from eagletrain.data.api_client import ChatClient
@@ -252,7 +291,18 @@ def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:
         return
     source = resolve_target(cfg.target)
     tokenizer = load_tokenizer(source)
-    records, duplicates = planned_records(run)
+    loaded: list[Any] = []
+
+    def local_model() -> Any:
+        """The target in this process, loaded once for prompt writing and regeneration."""
+        if not loaded:
+            device = pick_device(cfg.target.device)
+            loaded.append(load_target(source, cfg.target.dtype, device).eval())
+        return loaded[0]
+
+    if SELF_SOURCE in cfg.data.sources:
+        write_prompts(run, lambda: _prompt_writer(run, tokenizer, local_model))
+    records, duplicates, per_source = planned_records(run)
     ledger.begin_stage(STAGE, "items", len(records), "samples")
     ledger.plan_items(
         STAGE,
@@ -262,6 +312,7 @@ def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:
         "target": source.identity,
         "template_hash": template_hash(tokenizer),
         "source": cfg.data.source,
+        "records_per_source": per_source,
         "duplicates_dropped": duplicates,
         "regenerated_by": regeneration_identity(run, source.identity),
     }
@@ -299,7 +350,19 @@ def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:
                 writer.flush()
             else:
                 _regenerate_and_tokenize(
-                    run, tokenizer, pending, by_key, writer, lambda: bar.advance(task)
+                    run, tokenizer, pending, by_key, writer, lambda: bar.advance(task), local_model
                 )
         worker.sample_now()
+    counts = ledger.counts(STAGE)
+    if not counts.get("done") and not counts.get("pending"):
+        reasons = "; ".join(f"{n} {why}" for why, n in ledger.error_reasons(STAGE).items())
+        raise InputError(f"{cfg.data.source}: no usable conversation, all skipped ({reasons})")
     finalize_items_stage(run.dir, ledger, STAGE, metadata)
+
+
+def _prompt_writer(run: Run, tokenizer: Any, local_model: Callable[[], Any]):
+    """The backend that writes the run's own prompts: the regeneration backend's kind."""
+    if run.config.data.regenerate == "local":
+        model = local_model()
+        return local_writer(model, tokenizer, run.config, target_eos(model, tokenizer))
+    return api_writer(tokenizer, run.config)

@@ -30,7 +30,13 @@ from eagletrain.evaluate.stats import (
 )
 from eagletrain.export import SGLANG_DIR, load_exported
 from eagletrain.runtime.rundir import Run
-from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target
+from eagletrain.target import (
+    load_target,
+    load_tokenizer,
+    pick_device,
+    resolve_target,
+    target_eos,
+)
 
 
 @dataclass
@@ -217,11 +223,3 @@ def load_for_decoding(
     drafter = load_exported(run.dir / "export" / SGLANG_DIR)
     drafter = drafter.to(where, target.dtype).eval().requires_grad_(False)
     return DecodingParts(target, tokenizer, drafter, where, target_eos(target, tokenizer))
-
-
-def target_eos(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    eos_id = model.config.eos_token_id
-    eos = {int(eos_id)} if isinstance(eos_id, int) else set(eos_id or [])
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    return eos

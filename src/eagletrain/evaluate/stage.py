@@ -112,7 +112,7 @@ def describe(summary: dict[str, Any]) -> str:
         mode = (
             f"greedy ({len(r.get('tie_divergences', []))} divergences at numerical ties)"
             if r["temperature"] == 0
-            else f"T={r['temperature']:g}"
+            else f"sampling at T={r['temperature']:g} (lossless by construction)"
         )
         line = (
             f"eval {r['dataset']}: {r['prompts']} prompts, chain {r['draft_steps']}, {mode}: "

@@ -20,7 +20,6 @@ from eagletrain.runtime.ledger_schema import SCHEMA
 LEDGER_NAME = "ledger.sqlite"
 
 
-
 @dataclass(frozen=True)
 class ItemRow:
     key: str
@@ -33,9 +32,10 @@ class ItemRow:
     offset: int | None
     split: str | None
     error: str | None
+    attempts: int = 0
 
 
-_ITEM_COLUMNS = "key, ord, state, checksum, tokens, bytes, shard, offset, split, error"
+_ITEM_COLUMNS = "key, ord, state, checksum, tokens, bytes, shard, offset, split, error, attempts"
 
 
 def connect(path: Path, create: bool = False) -> sqlite3.Connection:
@@ -313,6 +313,66 @@ class Ledger:
             return {}
         keys = ("conversations", "turns", "truncated", "prompt_tokens", "completion_tokens")
         return dict(zip((*keys, "cost"), row, strict=True)) if row else {}
+
+    # ---- prompts written by the target --------------------------------------------------
+    def save_prompts(
+        self,
+        stage: str,
+        worker: str,
+        rows: list[tuple[int, int, str, int, str | None]],
+        max_attempts: int,
+    ) -> None:
+        """(slot, attempt, text, tokens, dropped reason or None) of one batch, and their
+        slots' items: done when kept, failed once a dropped slot used `max_attempts`."""
+        now = time.time()
+        with self.transaction() as c:
+            c.executemany(
+                "INSERT OR REPLACE INTO self_prompts VALUES(?,?,?,?,?,?)",
+                [(*row, now) for row in rows],
+            )
+            gave_up = f"no usable prompt in {max_attempts} attempts"
+            for slot, attempt, _text, tokens, dropped in rows:
+                state = "done" if dropped is None else "pending"
+                if dropped is not None and attempt + 1 >= max_attempts:
+                    state = "failed"
+                c.execute(
+                    "UPDATE items SET state=?, attempts=?, tokens=?, worker=?, finished_at=?, "
+                    "error=? WHERE stage=? AND ord=?",
+                    (
+                        state,
+                        attempt + 1,
+                        tokens if dropped is None else None,
+                        worker,
+                        now,
+                        gave_up if state == "failed" else None,
+                        stage,
+                        slot,
+                    ),
+                )
+            c.execute("UPDATE workers SET progress_at=? WHERE id=?", (now, worker))
+
+    def kept_prompts(self) -> list[tuple[int, str]]:
+        cur = self.conn.execute(
+            "SELECT slot, text FROM self_prompts WHERE dropped IS NULL ORDER BY slot"
+        )
+        return [(int(slot), text) for slot, text in cur]
+
+    def prompt_tally(self) -> dict[str, Any]:
+        """Written, kept, and dropped by reason, with the tokens written."""
+        try:
+            rows = self.conn.execute(
+                "SELECT dropped, COUNT(*), SUM(tokens) FROM self_prompts GROUP BY dropped"
+            ).fetchall()
+        except sqlite3.OperationalError:  # a ledger from before self-written prompts
+            rows = []
+        dropped = {reason: n for reason, n, _ in rows if reason is not None}
+        kept = sum(n for reason, n, _ in rows if reason is None)
+        return {
+            "written": sum(n for _, n, _ in rows),
+            "kept": kept,
+            "dropped": dropped,
+            "tokens": int(sum(t or 0 for _, _, t in rows)),
+        }
 
     # ---- completion records -------------------------------------------------------------
     def complete(

@@ -111,4 +111,15 @@ CREATE TABLE IF NOT EXISTS regen_totals(
     prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, cost REAL NOT NULL
 );
 INSERT OR IGNORE INTO regen_totals VALUES(0, 0, 0, 0, 0, 0, 0.0);
+-- prompts written by the target (data.source "self"): every text written, kept or dropped
+-- with its reason, stored in the same transaction that settles its slot's item
+CREATE TABLE IF NOT EXISTS self_prompts(
+    slot INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    tokens INTEGER NOT NULL,
+    dropped TEXT,                    -- the reason, or NULL when kept
+    at REAL NOT NULL,
+    PRIMARY KEY(slot, attempt)
+) WITHOUT ROWID;
 """

@@ -20,7 +20,7 @@ from eagletrain.errors import InputError
 from eagletrain.runtime.ledger import LEDGER_NAME, Ledger
 from eagletrain.runtime.rundir import CONFIG_NAME
 from eagletrain.runtime.worker import pid_alive
-from eagletrain.stages import STAGES, skipped_stages
+from eagletrain.stages import PROMPTS, STAGES, skipped_stages
 
 STALL_AFTER_S = float(os.environ.get("EAGLETRAIN_STALL_AFTER_S", "30"))
 NO_PROGRESS_STALL_S = float(os.environ.get("EAGLETRAIN_NO_PROGRESS_STALL_S", "900"))
@@ -56,6 +56,7 @@ class StageStatus:
     reasons: dict[str, int] = field(default_factory=dict)
     workers: list[WorkerView] = field(default_factory=list)
     regeneration: dict[str, Any] = field(default_factory=dict)
+    prompts: dict[str, Any] = field(default_factory=dict)  # written / kept / dropped by reason
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -113,6 +114,8 @@ def stage_status(ledger: Ledger, stage: str, now: float | None = None) -> StageS
             st.reasons = ledger.error_reasons(stage)
     else:
         st.done = row["units_done"]
+    if stage == PROMPTS:
+        st.prompts = ledger.prompt_tally()
     if stage == "data":
         totals = ledger.regen_totals()
         part_way = ledger.partial_count()
@@ -177,7 +180,9 @@ def run_status(run_dir: Path) -> list[StageStatus]:
     ledger = Ledger(run_dir)
     try:
         now = time.time()
-        stages = [stage_status(ledger, stage, now) for stage in STAGES]
+        # the prompts the target writes itself, when the run has any, come first
+        names = ([PROMPTS] if ledger.stage_row(PROMPTS) else []) + list(STAGES)
+        stages = [stage_status(ledger, stage, now) for stage in names]
     finally:
         ledger.close()
     skipped = _skipped(run_dir)
@@ -229,6 +234,10 @@ def format_line(st: StageStatus) -> str:
             + (f"; {r['awaiting_chunk']} awaiting their chunk" if r["awaiting_chunk"] else "")
             + (f"; {r['part_way']} part-way" if r.get("part_way") else "")
         )
+    if st.prompts:
+        p = st.prompts
+        dropped = ", ".join(f"{n} {why}" for why, n in sorted(p["dropped"].items()))
+        line += f"\n{'':10}written {p['written']}, kept {p['kept']}; dropped: {dropped or 'none'}"
     for reason, n in sorted(st.reasons.items()):
         line += f"\n{'':10}{n} x {reason}"
     return line

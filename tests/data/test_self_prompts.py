@@ -1,0 +1,191 @@
+"""Prompts the target writes itself (data.source = "self"): each a ledger item, filtered
+with counted reasons, resumable after kill -9 with the prompts an uninterrupted run keeps
+and no duplicates, then answered and tokenized like any conversation."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_target, cli_env, eagletrain, eagletrain_background, wait_for
+
+from eagletrain.data.dedupe import Deduplicator, degenerate, normalized
+from eagletrain.data.self_prompts import user_turn_prefix
+
+
+@pytest.fixture(scope="module")
+def chatty_target(tmp_path_factory) -> Path:
+    """The tiny target with its end-of-turn token made likely, so it writes short turns
+    that end (a random tiny model almost never stops on its own)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    directory = build_tiny_target(tmp_path_factory.mktemp("chatty"), layers=2)
+    model = LlamaForCausalLM.from_pretrained(directory)
+    eos = AutoTokenizer.from_pretrained(directory).eos_token_id
+    with torch.no_grad():
+        hidden = model.model(
+            torch.randint(3, 300, (32, 16), generator=torch.Generator().manual_seed(0))
+        )
+        mean = hidden.last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[eos] = 2.0 * mean / mean.norm() ** 2
+    model.save_pretrained(directory)
+    return directory
+
+
+def self_config(tmp_path: Path, target: Path, extra: str = "", source: str = '"self"') -> Path:
+    path = tmp_path / "self.toml"
+    path.write_text(f"""
+[target]
+model = "{target}"
+dtype = "float32"
+device = "cpu"
+
+[data]
+source = {source}
+limit = 24
+max_length = 96
+regenerate = "local"
+samples_per_chunk = 4
+
+[data.regen]
+max_tokens = 8
+batch_size = 4
+decoder = "continuous"
+
+[data.prompts]
+max_tokens = 16
+batch_size = 6
+min_words = 1
+max_attempts = 40
+{extra}
+""")
+    return path
+
+
+def kept_prompts(run: Path) -> list[tuple[int, str]]:
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    rows = conn.execute("SELECT slot, text FROM self_prompts WHERE dropped IS NULL ORDER BY slot")
+    out = [(int(a), b) for a, b in rows]
+    conn.close()
+    return out
+
+
+def test_normalised_exact_and_near_duplicates_are_counted_apart():
+    dedupe = Deduplicator(threshold=0.7)
+    base = "Write a short poem about the sea at night, with waves and a lonely lighthouse."
+    assert dedupe.duplicate(base) is None
+    assert dedupe.duplicate("  write a SHORT poem about the sea at night with waves, and a "
+                            "lonely lighthouse!") == "exact duplicate"  # fmt: skip
+    near = "Write a short poem about the sea at night, with waves and a lonely old lighthouse."
+    assert dedupe.duplicate(near) == "near duplicate"
+    other = "How do I compute the compound interest on a loan of 5000 dollars over 3 years?"
+    assert dedupe.duplicate(other) is None
+    assert normalized("Héllo,   World!") == "hello world"
+
+
+def test_degenerate_text_is_dropped_with_its_reason():
+    assert degenerate("anything at all here", finished=False, min_words=3).startswith("unfinished")
+    assert degenerate("hi there", finished=True, min_words=3) == "too short"
+    assert degenerate("buy now " * 12, finished=True, min_words=3) == "repetition"
+    assert degenerate("Plan a three day trip to Rome for two people.", True, 3) is None
+
+
+def test_the_prefix_is_the_template_up_to_the_user_words(chatty_target):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chatty_target)
+    assert user_turn_prefix(tokenizer, None) == (
+        "<|im_start|>system\nYou are a tiny test model.<|im_end|>\n<|im_start|>user\n"
+    )
+    assert user_turn_prefix(tokenizer, "Be brief.").startswith("<|im_start|>system\nBe brief.")
+
+
+def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chatty_target):
+    config = self_config(tmp_path, chatty_target)
+    run = tmp_path / "run"
+    result = eagletrain("data", config, "--run-dir", run)
+    assert result.returncode == 0, result.stderr
+    kept = kept_prompts(run)
+    assert len(kept) == 24 and [s for s, _ in kept] == list(range(24))
+    assert len({normalized(t) for _, t in kept}) == 24  # no exact duplicate kept
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    written = conn.execute("SELECT COUNT(*) FROM self_prompts").fetchone()[0]
+    dropped = dict(conn.execute(
+        "SELECT dropped, COUNT(*) FROM self_prompts WHERE dropped IS NOT NULL GROUP BY 1"
+    ).fetchall())  # fmt: skip
+    detail = json.loads(conn.execute(
+        "SELECT detail FROM completions WHERE stage='data'").fetchone()[0])  # fmt: skip
+    conn.close()
+    assert written == 24 + sum(dropped.values()) and dropped  # a random model drops some
+    status = eagletrain("status", run).stdout
+    assert f"written {written}, kept 24" in status and "prompts" in status
+    assert all(f"{n} {why}" in status for why, n in dropped.items())
+    assert detail["records_per_source"] == {"self": 24}
+    assert detail["regenerated_by"].startswith("local:")
+
+
+def test_kill_minus_nine_then_rerun_keeps_what_an_uninterrupted_run_keeps(tmp_path, chatty_target):
+    config = self_config(tmp_path, chatty_target)
+    whole = tmp_path / "whole"
+    assert eagletrain("data", config, "--run-dir", whole).returncode == 0
+    run = tmp_path / "killed"
+    env = cli_env(EAGLETRAIN_FAULT_DELAY="prompts:0.6")
+    proc = eagletrain_background("data", config, "--run-dir", run, env=env, log=tmp_path / "log")
+
+    def some_kept() -> bool:
+        try:
+            return 6 <= len(kept_prompts(run)) < 24
+        except sqlite3.Error:
+            return False
+
+    wait_for(some_kept, timeout=120, every=0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = kept_prompts(run)
+    assert eagletrain("status", run).returncode == 0
+    result = eagletrain("data", config, "--run-dir", run)
+    assert result.returncode == 0, result.stderr
+    after = kept_prompts(run)
+    assert set(before) <= set(after)  # nothing kept before the kill was lost or changed
+    assert after == kept_prompts(whole)  # the same prompts as an uninterrupted run
+    assert len({normalized(t) for _, t in after}) == len(after) == 24
+
+
+def test_sources_mix_with_their_counts_recorded(tmp_path, chatty_target, conversations):
+    config = self_config(
+        tmp_path, chatty_target, "count = 10", source=f'["{conversations}", "self"]'
+    )
+    run = tmp_path / "run"
+    result = eagletrain("data", config, "--run-dir", run)
+    assert result.returncode == 0, result.stderr
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    detail = json.loads(conn.execute(
+        "SELECT detail FROM completions WHERE stage='data'").fetchone()[0])  # fmt: skip
+    conn.close()
+    assert detail["records_per_source"] == {str(conversations): 24, "self": 10}
+
+
+def test_self_without_replies_or_count_is_a_clear_config_error(tmp_path, chatty_target):
+    config = self_config(tmp_path, chatty_target)
+    result = eagletrain(
+        "data", config, "--run-dir", tmp_path / "a", "--set", "data.regenerate=none"
+    )
+    assert result.returncode == 2 and "the target must answer them" in result.stderr
+    result = eagletrain(
+        "data", config, "--run-dir", tmp_path / "b", "--set", f'data.source=["{config}", "self"]'
+    )
+    assert result.returncode == 2 and "set data.prompts.count" in result.stderr
+
+
+def test_an_input_with_no_usable_conversation_ends_the_stage_with_exit_2(tmp_path, chatty_target):
+    empty = tmp_path / "nothing.jsonl"
+    empty.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    config = self_config(tmp_path, chatty_target, source=f'"{empty}"')
+    result = eagletrain("data", config, "--run-dir", tmp_path / "run")
+    assert result.returncode == 2
+    assert "no usable conversation among 1 records (1 no assistant turn)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
