@@ -37,6 +37,8 @@ def test_run_finishes_every_stage_and_status_says_done(finished_run: Path):
     tree = results["tree"]
     assert tree["cycles"] > 0 and 1.0 <= tree["tau"] <= 1 + tree["depth"]
     assert (finished_run / "export" / "sglang" / "config.json").is_file()
+    vocab = stages_detail(finished_run, "train")["draft_vocab"]
+    assert vocab["draft_vocab_size"] == 64 and 0 < vocab["train_coverage"] <= 1
     assert "smollm2" not in (finished_run / "config.toml").read_text()  # resolved, our target
 
 
@@ -172,3 +174,31 @@ def test_eval_at_temperature_one_on_heldout_conversations(tiny_config: Path, tmp
     }
     assert heldout and {p["id"] for p in results["per_prompt"]} <= heldout
     assert 1.0 <= results["tau"] <= 1 + results["draft_steps"]
+
+
+def stages_detail(run: Path, stage: str) -> dict:
+    import sqlite3
+
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    (detail,) = conn.execute("SELECT detail FROM completions WHERE stage=?", (stage,)).fetchone()
+    conn.close()
+    return json.loads(detail)
+
+
+def test_auto_draft_vocabulary_covers_the_training_replies(tiny_config, tmp_path):
+    run = tmp_path / "run"
+    overrides = [
+        "--set",
+        'train.draft_vocab_size="auto"',
+        "--set",
+        "train.draft_vocab_coverage=0.9",
+    ]
+    overrides += ["--set", "train.epochs=1"]
+    for stage in ("data", "extract", "train"):
+        result = eagletrain(stage, tiny_config, "--run-dir", run, *overrides)
+        assert result.returncode == 0, result.stderr
+    vocab = stages_detail(run, "train")["draft_vocab"]
+    # a multiple of 256, or the whole 320-token vocabulary of the tiny target
+    assert vocab["draft_vocab_size"] in (256, 320) and vocab["train_coverage"] >= 0.9
+    data = stages_detail(run, "data")["assistant_tokens"]
+    assert data["counted_tokens"] >= vocab["counted_tokens"] > 0  # train split within the data

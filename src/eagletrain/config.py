@@ -174,7 +174,11 @@ class ExtractConfig(Section):
 
 
 class TrainConfig(Section):
-    draft_vocab_size: int = Field(32000, ge=2)
+    # the draft vocabulary: its size, or "auto": the smallest (a multiple of 256) whose most
+    # frequent tokens cover `draft_vocab_coverage` of the training data's assistant tokens;
+    # the full target vocabulary is valid
+    draft_vocab_size: int | Literal["auto"] = "auto"
+    draft_vocab_coverage: float = Field(0.999, gt=0.0, le=1.0)
     ttt_steps: int = Field(7, ge=1)
     step_weight_decay: float = Field(0.8, gt=0.0)
     epochs: int = Field(1, ge=1)

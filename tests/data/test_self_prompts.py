@@ -126,6 +126,8 @@ def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chat
     assert all(f"{n} {why}" in status for why, n in dropped.items())
     assert detail["records_per_source"] == {"self": 24}
     assert detail["regenerated_by"].startswith("local:")
+    coverage = detail["assistant_tokens"]  # what the replies cover, for the draft vocab
+    assert coverage["counted_tokens"] > 0 and 0 < coverage["size_for_0.999"] <= 512
 
 
 def test_kill_minus_nine_then_rerun_keeps_what_an_uninterrupted_run_keeps(tmp_path, chatty_target):

@@ -17,7 +17,9 @@ import torch
 
 from eagletrain.data.chat_tokenize import tokenize_conversation
 from eagletrain.data.conversations import Record, read_records
+from eagletrain.data.samples import DataSamples
 from eagletrain.data.self_prompts import api_writer, local_writer, write_prompts
+from eagletrain.data.token_coverage import count_tokens, coverage_curve
 from eagletrain.errors import InputError
 from eagletrain.runtime.faults import inject_delay
 from eagletrain.runtime.progress import stage_progress
@@ -357,7 +359,18 @@ def run_data(run: Run, partition: tuple[int, int] = (0, 1)) -> None:
     if not counts.get("done") and not counts.get("pending"):
         reasons = "; ".join(f"{n} {why}" for why, n in ledger.error_reasons(STAGE).items())
         raise InputError(f"{cfg.data.source}: no usable conversation, all skipped ({reasons})")
+    if not counts.get("pending"):  # complete: what the training split's replies cover
+        metadata["assistant_tokens"] = _assistant_token_coverage(run, len(tokenizer))
     finalize_items_stage(run.dir, ledger, STAGE, metadata)
+
+
+def _assistant_token_coverage(run: Run, vocab_size: int) -> dict[str, Any]:
+    """The training split's assistant tokens: how many, and how many of the most frequent
+    cover them (the curve `train.draft_vocab_size = "auto"` follows)."""
+    samples = DataSamples(run)
+    train = [key for key, row in samples.rows.items() if row.split != "heldout"]
+    masked = (ids[mask.bool()] for ids, mask in map(samples.get, train))
+    return coverage_curve(count_tokens(masked, vocab_size))
 
 
 def _prompt_writer(run: Run, tokenizer: Any, local_model: Callable[[], Any]):

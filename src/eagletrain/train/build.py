@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from eagletrain.data.samples import DataSamples
+from eagletrain.data.token_coverage import coverage, coverage_curve
 from eagletrain.drafter import (
     Eagle3Drafter,
     compile_decoder_layer,
@@ -29,7 +30,11 @@ from eagletrain.target import (
     template_hash,
 )
 from eagletrain.train.batches import Batcher
-from eagletrain.train.draft_vocab import load_or_build
+from eagletrain.train.draft_vocab import (
+    build_draft_vocab,
+    cached_counts,
+    resolve_size,
+)
 from eagletrain.train.hidden_samples import HiddenSamples
 from eagletrain.train.online_samples import OnlineSamples
 from eagletrain.train.parallel import Parallel
@@ -144,6 +149,7 @@ class TrainParts:
     total_steps: int
     sharded: bool  # FSDP: gathering states and evaluating are collectives
     meta: dict[str, Any]
+    draft_vocab: dict[str, Any]  # its size, the training data's coverage, the curve
 
 
 def _masked_tokens(data: HiddenSamples | OnlineSamples) -> Iterator[torch.Tensor]:
@@ -168,24 +174,28 @@ def build(
     target_config, embed, head = frozen_target_parts(source)
     train_data, meta = datasets.train, datasets.meta
 
-    def draft_vocab() -> torch.Tensor:
-        return load_or_build(
+    def counts() -> torch.Tensor:
+        return cached_counts(
             run.dir / "train",
             datasets.digest,
-            tc.draft_vocab_size,
             meta["target"],
             lambda: _masked_tokens(train_data),
             target_config.vocab_size,
         )
 
-    if parallel.main:  # built once, then read from its cache by the other ranks
-        draft_ids = draft_vocab()
+    if parallel.main:  # counted once, then read from the cache by the other ranks
+        token_counts = counts()
     parallel.barrier()
     if not parallel.main:
-        draft_ids = draft_vocab()
-    dcfg = drafter_config(
-        target_config, tc.draft_vocab_size, meta["aux_layer_ids"], tc.norm_before_residual
-    )
+        token_counts = counts()
+    size = resolve_size(token_counts, tc.draft_vocab_size, tc.draft_vocab_coverage)
+    draft_ids = build_draft_vocab(token_counts, size)
+    draft_vocab = {
+        "draft_vocab_size": size,
+        "train_coverage": coverage(token_counts, size),
+        **coverage_curve(token_counts),
+    }
+    dcfg = drafter_config(target_config, size, meta["aux_layer_ids"], tc.norm_before_residual)
     drafter = Eagle3Drafter(dcfg)
     drafter.set_draft_vocab(draft_ids)
     set_ttt_attention(drafter, tc.ttt_attention)
@@ -230,4 +240,5 @@ def build(
         total_steps,
         is_sharded(drafter),
         meta,
+        draft_vocab,
     )

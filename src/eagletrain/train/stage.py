@@ -41,6 +41,7 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
         parts = build(run, datasets, parallel, device, source)
         if parallel.main:
             ledger.begin_stage(STAGE, "units", parts.total_steps, "steps")
+            ledger.update_detail(STAGE, draft_vocab=parts.draft_vocab)
             if cfg.train.online:
                 ledger.update_detail(STAGE, online_dataset=datasets.meta)
         parallel.barrier()
@@ -50,6 +51,7 @@ def run_train(run: Run, allow_partial: bool = False) -> dict[str, Any] | None:
     if best is None:
         return None
     evaluation = {k: v for k, v in best.items() if k != "checksum"}
+    evaluation["draft_vocab"] = parts.draft_vocab
     ledger.complete(
         STAGE,
         len(datasets.train),
