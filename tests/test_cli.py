@@ -54,7 +54,9 @@ def test_report_renders_its_plots_from_the_run(finished_run: Path):
         assert pixels.shape[0] > 200 and pixels.shape[1] > 400
         assert pixels[..., :3].std() > 0.05  # not a blank canvas
     (results,) = json.loads((finished_run / "eval" / "results.json").read_text())["results"]
-    assert f"| {results['tau']:.3f} | {results['tree']['tau']:.3f} |" in text
+    low, high = results["tau_ci95"]
+    row = f"| {results['tau']:.3f} [{low:.2f}-{high:.2f}] | {results['tree']['tau']:.3f} |"
+    assert row in text
 
 
 def test_rerun_of_a_finished_run_does_no_work(finished_run: Path):

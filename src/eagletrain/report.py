@@ -90,7 +90,7 @@ def plot_tau(results: list[dict[str, Any]], out: Path) -> None:
     series = {"EAGLE chain": [r["tau"] for r in results]}
     if any("tree" in r for r in results):  # results from before tree decoding have none
         series["EAGLE tree"] = [r["tree"]["tau"] if "tree" in r else nan for r in results]
-    series["prompt lookup"] = [r["prompt_lookup_tau"] for r in results]
+    series["prompt lookup"] = [r.get("prompt_lookup_tau") or nan for r in results]
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(labels) + 3), 4.2))
     width = 0.8 / len(series)
     for j, (name, values) in enumerate(series.items()):
@@ -193,19 +193,24 @@ def write_report(run: Run) -> Path:
             "tau: tokens per draft-verify cycle including the target's bonus token, pooled "
             "over all cycles of all prompts.",
             "",
-            "| results | dataset | T | prompts | chain tau | tree tau | prompt-lookup tau "
-            "| chain speedup | tree speedup |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| results | dataset | T | prompts | chain tau [95% CI] | tree tau "
+            "| prompt-lookup tau | out-of-vocab cycles | chain speedup | tree speedup |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+
+        def cell(value: float | None, form: str) -> str:
+            return "-" if value is None else format(value, form)
+
         for r in results:
-            tree = r.get("tree")
-            tree_tau, tree_speedup = (
-                (f"{tree['tau']:.3f}", f"{tree['speedup']:.2f}x") if tree else ("-", "-")
-            )
+            tree = r.get("tree") or {}
+            ci = r.get("tau_ci95")
+            tau = f"{r['tau']:.3f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else "")
             lines.append(
                 f"| {r['file']} | {Path(str(r.get('dataset'))).name} | {r['temperature']:g} "
-                f"| {r['prompts']} | {r['tau']:.3f} | {tree_tau} "
-                f"| {r['prompt_lookup_tau']:.3f} | {r['speedup']:.2f}x | {tree_speedup} |"
+                f"| {r['prompts']} | {tau} | {cell(tree.get('tau'), '.3f')} "
+                f"| {cell(r.get('prompt_lookup_tau'), '.3f')} "
+                f"| {cell(r.get('out_of_vocab_share'), '.1%')} "
+                f"| {cell(r.get('speedup'), '.2f')}x | {cell(tree.get('speedup'), '.2f')}x |"
             )
         lines += ["", "![tau per dataset](tau.png)", "", "![acceptance](acceptance.png)", ""]
     path = out / "report.md"

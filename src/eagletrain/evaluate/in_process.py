@@ -27,6 +27,7 @@ from eagletrain.evaluate.stats import (
     per_position_acceptance,
     pooled_tau,
     tau_interval,
+    tokens_and_cycles,
 )
 from eagletrain.export import SGLANG_DIR, load_exported
 from eagletrain.runtime.rundir import Run
@@ -90,7 +91,7 @@ def _summary(runs: list[Decoded], positions: int, plain_s: float, in_vocab: Any)
     accepted = [a for r in runs for a in r.accepted_per_cycle]
     bonus = [t for r in runs for t in r.bonus_tokens]
     seconds = sum(r.seconds for r in runs)
-    low, high = tau_interval([r.accepted_per_cycle for r in runs])
+    low, high = tau_interval([tokens_and_cycles(r.accepted_per_cycle) for r in runs])
     return {
         "cycles": len(accepted),
         "tau": pooled_tau(accepted),

@@ -76,3 +76,8 @@ def dataset_prompts(
     if dataset == "heldout":
         return heldout_prompts(run, limit)
     return chat_prompts(tokenizer, dataset, limit)
+
+
+def dataset_name(dataset: str) -> str:
+    """ "mtbench", "humaneval", "heldout", or a prompts file's stem."""
+    return Path(dataset).name.split(".")[0]

@@ -10,7 +10,6 @@ decoding; eval/results.json holds them all, the first dataset is the headline.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from eagletrain.decode.tree import TreeShape
@@ -20,17 +19,12 @@ from eagletrain.evaluate.in_process import (
     load_for_decoding,
     sized_engine,
 )
-from eagletrain.evaluate.prompts import dataset_prompts
+from eagletrain.evaluate.prompts import dataset_name, dataset_prompts
 from eagletrain.runtime.progress import stage_progress
 from eagletrain.runtime.rundir import Run, require_previous
 from eagletrain.runtime.worker import WorkerSession
 
 STAGE = "eval"
-
-
-def dataset_name(dataset: str) -> str:
-    """ "mtbench", "humaneval", "heldout", or a prompts file's stem."""
-    return Path(dataset).name.split(".")[0]
 
 
 def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
@@ -104,7 +98,8 @@ def _evaluate_local(run: Run) -> list[dict[str, Any]]:
 
 
 def describe(summary: dict[str, Any]) -> str:
-    """One line per dataset: tau [CI], acceptance per position, out-of-vocab share, tree."""
+    """One line per dataset: tau [CI], acceptance per position, out-of-vocab share, speedup,
+    prompt lookup and the tree where measured."""
     lines = []
     for r in summary.get("datasets", [summary]):
         ppa = ", ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
@@ -114,13 +109,17 @@ def describe(summary: dict[str, Any]) -> str:
             if r["temperature"] == 0
             else f"sampling at T={r['temperature']:g} (lossless by construction)"
         )
-        line = (
+        parts = [
             f"eval {r['dataset']}: {r['prompts']} prompts, chain {r['draft_steps']}, {mode}: "
-            f"tau {r['tau']:.3f} [95% CI {low:.3f}-{high:.3f}], per position [{ppa}], "
-            f"out-of-vocab cycles {100 * r['out_of_vocab_share']:.1f}%"
-        )
+            f"tau {r['tau']:.3f} [95% CI {low:.3f}-{high:.3f}], per position [{ppa}]"
+        ]
+        if r.get("out_of_vocab_share") is not None:
+            parts.append(f"out-of-vocab cycles {100 * r['out_of_vocab_share']:.1f}%")
         if r.get("speedup") is not None:
-            line += f", speedup {r['speedup']:.2f}x on {r['device']}"
+            parts.append(f"speedup {r['speedup']:.2f}x on {r['device']}")
+        if r.get("equal_to_plain") is not None:
+            parts.append(f"equal to plain {r['equal_to_plain']}")
+        line = ", ".join(parts)
         if r.get("prompt_lookup_tau") is not None:
             line += f"; prompt lookup {r['prompt_lookup_tau']:.3f}"
         tree = r.get("tree")

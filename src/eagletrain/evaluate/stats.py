@@ -25,20 +25,25 @@ def per_position_acceptance(accepted_per_cycle: Sequence[int], k: int) -> list[f
 
 
 def tau_interval(
-    per_prompt: Sequence[Sequence[int]], level: float = 0.95, seed: int = 0
+    per_prompt: Sequence[tuple[int, int]], level: float = 0.95, seed: int = 0
 ) -> tuple[float, float]:
-    """The `level` percentile-bootstrap interval of the pooled tau, resampling prompts with
-    replacement (each prompt's accepted counts per cycle stay together)."""
-    used = [p for p in per_prompt if len(p)]
+    """The `level` percentile-bootstrap interval of the pooled tau from each prompt's
+    (tokens, cycles), resampling prompts with replacement."""
+    used = [(t, c) for t, c in per_prompt if c]
     if not used:
         return (0.0, 0.0)
-    tokens = np.array([sum(a + 1 for a in p) for p in used], dtype=np.float64)
-    cycles = np.array([len(p) for p in used], dtype=np.float64)
+    tokens = np.array([t for t, _ in used], dtype=np.float64)
+    cycles = np.array([c for _, c in used], dtype=np.float64)
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(used), size=(BOOTSTRAP_RESAMPLES, len(used)))
     taus = tokens[picks].sum(1) / cycles[picks].sum(1)
     low, high = np.quantile(taus, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
+
+
+def tokens_and_cycles(accepted_per_cycle: Sequence[int]) -> tuple[int, int]:
+    """One prompt's tokens (accepted drafts plus a bonus a cycle) and cycles."""
+    return sum(a + 1 for a in accepted_per_cycle), len(accepted_per_cycle)
 
 
 def out_of_vocab_share(
