@@ -32,12 +32,24 @@ def test_sglang_export_round_trips_with_the_documented_names(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    # the same layers for vLLM, which reads a top-level field first (SGLang: eagle_config)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert config["draft_vocab_size"] == 20 and config["target_hidden_size"] == 32
     assert config["norm_before_residual"] is False
     assert config["max_position_embeddings"] == 128
     loaded = load_exported(tmp_path)
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(tensor.to(loaded.state_dict()[name].dtype), loaded.state_dict()[name])
+
+
+def test_sglang_layer_ids_that_disagree_for_vllm_fail(tmp_path):
+    drafter, _ = tiny_drafter()
+    write_format(drafter, tmp_path, "sglang", "target")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]  # one layer early for vLLM
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match=r"name different layers"):
+        load_exported(tmp_path)
 
 
 def test_a_renamed_tensor_fails_loudly(tmp_path):

@@ -3,7 +3,9 @@
 Formats (tensors are the drafter's state_dict, renamed where a format says so):
 
 - `sglang`: LlamaForCausalLMEagle3, decoder layer `midlayer.*`, aux layer ids in
-  `eagle_config.eagle_aux_hidden_state_layer_ids` as output-of-layer-k (ours, unchanged).
+  `eagle_config.eagle_aux_hidden_state_layer_ids` as output-of-layer-k (ours, unchanged),
+  and the same layers in vLLM's convention at the top level, so vLLM serving this folder
+  reads them right too (it reads eagle_config's ids as its own, one layer early).
 - `vllm`: the same tensors (vLLM remaps `midlayer.` to `layers.0.`), aux ids in a top-level
   `eagle_aux_hidden_state_layer_ids` in vLLM's input-of-layer convention = ours + 1.
 - `speculators`: Eagle3Speculator, `layers.0.*`, `transformer_layer_config`,
@@ -94,6 +96,10 @@ def export_config(drafter: Eagle3Drafter, fmt: str, target: str) -> dict[str, An
             "eagle_aux_hidden_state_layer_ids": aux,
             "use_aux_hidden_state": True,
         }
+        # vLLM reads a top-level field first and takes eagle_config's ids as its own
+        # convention (one layer early); SGLang reads eagle_config first. With both, this
+        # folder is read right by either engine
+        config["eagle_aux_hidden_state_layer_ids"] = to_vllm_layer_ids(aux)
     else:
         config["eagle_aux_hidden_state_layer_ids"] = to_vllm_layer_ids(aux)
     return config
@@ -124,8 +130,14 @@ def _read_config(config_path: Path) -> tuple[str, dict[str, Any], list[int] | No
             (from_vllm_layer_ids(ids) if ids else None),
         )
     if "eagle_config" in raw:
-        eagle = raw.pop("eagle_config")
-        return "sglang", raw, eagle.get("eagle_aux_hidden_state_layer_ids")
+        ids = raw.pop("eagle_config").get("eagle_aux_hidden_state_layer_ids")
+        for_vllm = raw.pop("eagle_aux_hidden_state_layer_ids", None)
+        if for_vllm is not None and ids and for_vllm != to_vllm_layer_ids(ids):
+            raise ExportError(
+                f"{config_path}: eagle_config ids {ids} (SGLang) and top-level ids {for_vllm} "
+                f"(vLLM) name different layers"
+            )
+        return "sglang", raw, ids
     ids = raw.pop("eagle_aux_hidden_state_layer_ids", None)
     return "vllm", raw, from_vllm_layer_ids(ids) if ids else None
 

@@ -19,7 +19,7 @@ class OnlineSamples:
     def __init__(
         self, samples: DataSamples, items: list[ItemRow], model: torch.nn.Module, aux_ids: list[int]
     ):
-        self.samples, self.items, self.model, self.aux_ids = samples, items, model, aux_ids
+        self.source, self.items, self.model, self.aux_ids = samples, items, model, aux_ids
         self.device = next(model.parameters()).device
 
     def __len__(self) -> int:
@@ -29,12 +29,12 @@ class OnlineSamples:
         return int(self.items[i].tokens or 0)
 
     def tensor(self, i: int, name: str) -> torch.Tensor:
-        ids, mask = self.samples.get(self.items[i].key)
+        ids, mask = self.source.get(self.items[i].key)
         return {"input_ids": ids, "loss_mask": mask}[name]
 
     def samples(self, indices: list[int]) -> list[Sample]:
         """(aux, last, input_ids, loss_mask) per sample, from one padded target forward."""
-        inputs = [self.samples.get(self.items[i].key) for i in indices]
+        inputs = [self.source.get(self.items[i].key) for i in indices]
         longest = max(len(x) for x, _ in inputs)
         ids = torch.zeros(len(inputs), longest, dtype=torch.long)
         valid = torch.zeros(len(inputs), longest, dtype=torch.bool)
