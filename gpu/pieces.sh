@@ -20,7 +20,7 @@ echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sh
 head -c 38000000 "$G" > .carry/a/gguf.part.aa
 tail -c +38000001 "$G" > .carry/b/gguf.part.ab
 # pure-Python wheels and pydantic-core for the H200's Python 3.12 (versions as installed here)
-pins=$($PY -m pip freeze | grep -i -E '^(gguf|pydantic|pydantic.core|typing.inspection|annotated.types|tomli.w)==')
+pins=$($PY -m pip freeze | grep -i -E '^(gguf|pydantic|pydantic.core|typing.inspection|annotated.types|tomli.w|datasketch)==')
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .carry/b $pins

@@ -7,6 +7,8 @@
 #                 (in another setup call when over 64 MiB) an earlier call's pieces:
 #                 .carry/r (rundata.tgz.*), .carry/e (export_sglang.tgz.*)
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
+#   CFG (default configs/smollm2-h200.toml) and DATA_SOURCE (data.source) pick the run;
+#   the scale run: CFG=configs/smollm2-scale.toml DATA_SOURCE='["/tmp/c/sharegpt_all.jsonl.gz","self"]'
 #   PHASE=data    carry .carry/b and, to continue an earlier session's run, .carry/r (its
 #                 rundata.tgz.* pieces): DECODER=auto first measures generate against
 #                 graphed and takes the faster; regenerate + tokenize
@@ -15,12 +17,8 @@
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
 #                 them into .carry/r here for the next session: a run directory is
 #                 relocatable, tests/test_kill_resume.py)
-#   PHASE=regen   bench/regen_local.py: local regeneration tokens/s per generator
-#                 configuration (REGEN_CONFIGS, KV/ATTENTION/SDPA: the stage's generator
-#                 before packed-gqa first; KV "graphed" is data.regen.decoder = "graphed",
-#                 its compile in the warm-up column); ARRIVAL=1 also cuts batches in arrival order,
-#                 against the whole pool grouped by length; PROFILE=N first profiles one
-#                 batch of N new tokens (the top operators)
+#   PHASE=regen   bench/regen_local.py: completion tokens/s per local decoder
+#                 (REGEN_CONFIGS, DECODER/ROWS[/ATTENTION]) beside the KV-read limit
 #   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
 #                 (ENGINES, default compiled,static,eager);
 #                 ENGINE_PROFILE=chain profiles a chain decode on each engine
@@ -52,11 +50,12 @@ echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $M" | sh
 [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/b/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src EAGLETRAIN_CACHE=/tmp/cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 DATA_FILE="${DATA_FILE:-sharegpt_all.jsonl.gz}"
-SETS=(--set target.model="$M" --set data.source=/tmp/c/$DATA_FILE --set eval.datasets=[\"/tmp/c/question.jsonl\"])
+# DATA_SOURCE: the data.source override (the scale run: '["/tmp/c/sharegpt_all.jsonl.gz","self"]')
+SETS=(--set target.model="$M" --set data.source="${DATA_SOURCE:-/tmp/c/$DATA_FILE}" --set eval.datasets=[\"/tmp/c/question.jsonl\"])
 # EXTRA_SETS: more overrides (a dry run on a CPU: smaller, float32)
 read -r -a EXTRA <<< "${EXTRA_SETS:-}"
 SETS+=("${EXTRA[@]}")
-CFG=configs/smollm2-h200.toml
+CFG=${CFG:-configs/smollm2-h200.toml}
 ledger_times() {
   python3 -m eagletrain status /tmp/q | tee -a $OUT/$1
   python3 - <<'PY' | tee -a $OUT/$1
@@ -114,7 +113,10 @@ data)
   pkill -P $timer; kill $timer 2>/dev/null
   grep -v "━\|Converting" /tmp/data_call.log | tail -5 | tee $OUT/data.log
   ledger_times data.log
-  tar -C /tmp/q -czf - config.toml ledger.sqlite data | split -b 15M - $OUT/rundata.tgz. ;;
+  # PIECES=ledger: the ledger and config only (the written prompts; no data chunks)
+  what="config.toml ledger.sqlite data"
+  [ "${PIECES:-}" = ledger ] && what="config.toml ledger.sqlite"
+  tar -C /tmp/q -czf - $what | split -b 15M - $OUT/rundata.tgz. ;;
 train)
   # extract (skipped by the stage itself when train.online), then train until TRAIN_S
   # seconds: a stop saves the step in flight and the next call resumes; export when done
@@ -137,10 +139,11 @@ decode)
   done
   tar -C /tmp/q/eval -czf $OUT/bench_json.tgz . ;;
 regen)
-  # local regeneration tokens/s per generator configuration (KV cache, attention, SDPA)
-  timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
-    --dtype bfloat16 --prompts "${REGEN_PROMPTS:-1024}" --batch 512 --max-tokens "${MAX_NEW:-128}" \
-    ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} ${ARRIVAL:+--arrival} --profile "${PROFILE:-0}" 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
+  # completion tokens/s of each local decoder on the same first turns, beside the KV-read
+  # limit (bench/regen_local.py)
+  timeout "${REGEN_S:-400}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
+    --dtype bfloat16 --prompts "${REGEN_PROMPTS:-4096}" --max-tokens "${MAX_NEW:-256}" \
+    ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
   # compiled first: the engine served, and the one a time limit must not cut (sixth part)

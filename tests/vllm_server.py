@@ -43,10 +43,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def vllm_server(
-    python: Path, target: Path, draft: Path | None, log: Path, steps: int = 3
+    python: Path, target: Path, draft: Path | None, log: Path, steps: int = 3, eager: bool = False
 ) -> Iterator[str]:
     """Serve `target` (with the EAGLE-3 drafter at `draft`, chain of `steps`); yields the
-    OpenAI base URL once the server answers, stops the whole process group after."""
+    OpenAI base URL once the server answers, stops the whole process group after.
+    `eager`: vLLM's --enforce-eager (no graph compilation: starts in ~50 s instead of ~2
+    minutes here, decodes slower; for tests of what it computes, not how fast)."""
     port = free_port()
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
@@ -56,6 +58,8 @@ def vllm_server(
     if draft is not None:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": steps}
         cmd += ["--speculative-config", json.dumps(spec)]
+    if eager:
+        cmd.append("--enforce-eager")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONUNBUFFERED": "1"}
     env.pop("PYTHONPATH", None)  # the venv's own packages only
     with log.open("w") as out:

@@ -40,20 +40,21 @@ device = "cpu"
 
 [data]
 source = "sharegpt"
-limit = 160
-max_length = 256
+limit = 120
+max_length = 192
 heldout_fraction = 0.1
 samples_per_chunk = 16
 
+[extract]
+batch_tokens = 2048
+
 [train]
-draft_vocab_size = 4096
+draft_vocab_size = 2048
 ttt_steps = 3
-epochs = 3
-batch_size = 8
-pack_length = 512
+epochs = 2
+batch_size = 4
 lr = 1e-3
 warmup_steps = 5
-online = true
 device = "cpu"
 
 [eval]
@@ -79,7 +80,7 @@ def demo(tmp_path_factory) -> tuple[Path, Path]:
     config = root / "demo.toml"
     config.write_text(DEMO)
     run = root / "run"
-    for stage in ("data", "train", "export"):
+    for stage in ("data", "extract", "train", "export"):
         result = eagletrain(stage, config, "--run-dir", run, timeout=900)
         assert result.returncode == 0, result.stderr
     return config, run
@@ -93,7 +94,7 @@ def target() -> Path:
 @pytest.fixture(scope="module")
 def plain_server(python, target, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-plain") / "server.log"
-    with vllm_server(python, target, None, log) as url:
+    with vllm_server(python, target, None, log, eager=True) as url:
         yield url
 
 
@@ -118,7 +119,7 @@ def test_vllm_serves_the_export_as_eagletrain_evaluates_it(
 ):
     config, run = demo
     log = tmp_path / "server.log"
-    with vllm_server(python, target, run / "export" / fmt, log) as url:
+    with vllm_server(python, target, run / "export" / fmt, log, eager=True) as url:
         served = evaluated(
             config, run, f"served-{fmt}",
             "--set", 'eval.backend="server"',

@@ -166,6 +166,7 @@ class LocalGenerator:
         try:
             torch.manual_seed(self.seed)
             with self._sdpa_backends():
+                self._continuous.warm_up()
                 for done in self._continuous.run(self._take):
                     self._loop.call_soon_threadsafe(resolve, done.request.id, done, None)
         except Exception as err:  # the decoder failed: no conversation waits forever

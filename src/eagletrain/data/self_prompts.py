@@ -85,6 +85,8 @@ def local_writer(model: torch.nn.Module, tokenizer: Any, config: Config, eos: se
         compile=device.type == "cuda",
     )
 
+    decoder.warm_up()
+
     def write(batch: list[tuple[int, int]]) -> list[tuple[str, int, bool]]:
         torch.manual_seed(batch_seed(seed, *batch[0]))
         requests = [Request(i, prefix_ids, cfg.max_tokens) for i in range(len(batch))]

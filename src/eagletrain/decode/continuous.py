@@ -99,7 +99,7 @@ class ContinuousDecoder:
         for t in (*self.keys, *self.values, self.tokens, self.lengths, self.counts, self.limits,
                   self.active, self.generated):  # fmt: skip
             torch._dynamo.mark_static_address(t)
-        self.step = compiled_steps(self._step, compile)
+        self.step, self.compiled = compiled_steps(self._step, compile), compile
         self.steps_run = 0
         self.attended_columns = 0  # row x column reads of the cache, summed over steps
 
@@ -202,6 +202,19 @@ class ContinuousDecoder:
         self.active[rows] = ~torch.isin(first, self.eos_ids) & (limits > 1)
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile and capture the step of every attention width ahead of any timing (CUDA
+        graphs are recorded on a later call than the first); no row is live meanwhile.
+        Uncompiled, there is nothing to warm."""
+        if not self.compiled:
+            return
+        self.active.zero_()
+        widths = [self.width] if self.attention == "flex" else range(BUCKET, self.width + 1, BUCKET)
+        for live in widths:
+            for _ in range(3):
+                self.step(live)
+
+    @torch.inference_mode()
     def run(self, take: Take) -> Iterator[Finished]:
         """Decode requests as `take(free rows, wait)` hands them over, yielding each as it
         finishes. `take` returns up to that many requests (blocking only when `wait`: no
@@ -228,7 +241,7 @@ class ContinuousDecoder:
                     return
                 continue
             for _ in range(self.check_every):
-                live = min(self.width, math.ceil((max(reach) + 1) / BUCKET) * BUCKET)
+                live = self.width if self.attention == "flex" else self._live(max(reach))
                 self.step(live)
                 self.steps_run += 1
                 self.attended_columns += self.rows * live
@@ -244,6 +257,10 @@ class ContinuousDecoder:
                 request, held[r], reach[r] = held[r], None, 0
                 tokens = tokens[:n]
                 yield Finished(request, tokens, bool(tokens) and tokens[-1] in self.eos)
+
+    def _live(self, longest: int) -> int:
+        """The attention width for rows at most `longest` long: its bucket."""
+        return min(self.width, math.ceil((longest + 1) / BUCKET) * BUCKET)
 
     def _admitted(self, request: Request) -> Request:
         budget = min(request.max_new, self.max_new)
