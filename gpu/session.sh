@@ -17,6 +17,8 @@
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
 #                 them into .carry/r here for the next session: a run directory is
 #                 relocatable, tests/test_kill_resume.py)
+#   PHASE=prompts the data stage until its prompts (data.source "self") are written, then
+#                 stopped: the ledger holding them comes back as $OUT/prompts.tgz.*
 #   PHASE=regen   bench/regen_local.py: completion tokens/s per local decoder
 #                 (REGEN_CONFIGS, DECODER/ROWS[/ATTENTION]) beside the KV-read limit
 #   PHASE=engines bench/decode_engine.py: plain step, chain and tree cycle per engine
@@ -116,7 +118,7 @@ data)
   # PIECES=ledger: the ledger and config only (the written prompts; no data chunks)
   what="config.toml ledger.sqlite data"
   [ "${PIECES:-}" = ledger ] && what="config.toml ledger.sqlite"
-  tar -C /tmp/q -czf - $what | split -b 15M - $OUT/rundata.tgz. ;;
+  [ "${PIECES:-}" = none ] || tar -C /tmp/q -czf - $what | split -b 15M - $OUT/rundata.tgz. ;;
 train)
   # extract (skipped by the stage itself when train.online), then train until TRAIN_S
   # seconds: a stop saves the step in flight and the next call resumes; export when done
@@ -138,6 +140,20 @@ decode)
       2>&1 | grep -v -i "warn\|━" | tee -a $OUT/decode.log
   done
   tar -C /tmp/q/eval -czf $OUT/bench_json.tgz . ;;
+prompts)
+  # the data stage until its prompts sub-stage (data.source "self") is verified complete,
+  # then a stop (resumable); the ledger, which holds every prompt written, comes back
+  python3 -m eagletrain data $CFG --run-dir /tmp/q "${SETS[@]}" > /tmp/prompts_call.log 2>&1 &
+  pid=$!
+  until python3 -c 'import sqlite3,sys; c=sqlite3.connect("/tmp/q/ledger.sqlite"); sys.exit(0 if c.execute("SELECT 1 FROM completions WHERE stage=\x27prompts\x27").fetchone() else 1)' 2>/dev/null; do
+    kill -0 $pid 2>/dev/null || break
+    sleep 5
+  done
+  kill -INT $pid 2>/dev/null; sleep "${DRAIN_S:-45}"; kill -INT $pid 2>/dev/null; wait $pid
+  grep -v "━" /tmp/prompts_call.log | tail -3 | tee $OUT/prompts.log
+  python3 -m eagletrain status /tmp/q | tee -a $OUT/prompts.log
+  python3 -c 'import sqlite3; c=sqlite3.connect("/tmp/q/ledger.sqlite"); [print(repr(t)[:300]) for (t,) in c.execute("SELECT text FROM self_prompts WHERE dropped IS NULL AND slot % 5000 = 7 ORDER BY slot")]' | tee -a $OUT/prompts.log
+  tar -C /tmp/q -czf - config.toml ledger.sqlite | split -b 15M - $OUT/prompts.tgz. ;;
 regen)
   # completion tokens/s of each local decoder on the same first turns, beside the KV-read
   # limit (bench/regen_local.py)

@@ -149,14 +149,17 @@ def test_vllm_serves_the_export_as_eagletrain_evaluates_it(
 
 def test_the_sglang_folder_is_read_right_by_vllms_own_config_code(python, demo, tmp_path):
     _, run = demo
+    # the model runner's own method (the CPU runner's too: it logged the served ids above),
+    # on the drafter config as vLLM loads it
     probe = """
 import sys
 from types import SimpleNamespace
 from vllm.transformers_utils.config import get_config
-from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 config = get_config(sys.argv[1], trust_remote_code=False)
 spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=config))
-print(list(get_eagle3_aux_layers_from_config(spec)))
+runner = SimpleNamespace(speculative_config=spec)
+print(list(GPUModelRunner._get_eagle3_aux_layers_from_config(runner)))
 """
 
     def vllm_reads(folder: Path) -> list[int]:
