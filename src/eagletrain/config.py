@@ -249,6 +249,9 @@ class EvalConfig(Section):
     # decoding engine shared by plain and speculative decoding: "eager" (DynamicCache),
     # "static" (one preallocated cache) or "compiled" (static + torch.compile, CUDA graphs)
     engine: Literal["eager", "static", "compiled"] = "eager"
+    # on a CPU in float32, the target's and the drafter's linear layers in oneDNN's
+    # prepacked layout (decode/cpu_linears.py), for the eager and static engines
+    cpu_prepack: bool = True
     # "local": the target and the exported drafter in this process; "server": a running
     # OpenAI-compatible server that serves them (eval.server)
     backend: Literal["local", "server"] = "local"

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from eagletrain.decode import cpu_linears
 from eagletrain.decode.chain import (
     TIE_TOLERANCE,
     Decoded,
@@ -210,10 +211,15 @@ class DecodingParts:
 
 
 def load_for_decoding(
-    run: Run, dtype: str | None = None, device: str = "auto", model: str | None = None
+    run: Run,
+    dtype: str | None = None,
+    device: str = "auto",
+    model: str | None = None,
+    prepack: bool = False,
 ) -> DecodingParts:
     """The run's target (or `model` instead) in `dtype` (default the run's) and the drafter
-    its export directory holds, frozen, in the target's dtype."""
+    its export directory holds, frozen, in the target's dtype; with `prepack` on a CPU in
+    float32, both with oneDNN-prepacked linear layers."""
     target_cfg = run.config.target
     if model:
         target_cfg = target_cfg.model_copy(update={"model": model})
@@ -223,4 +229,8 @@ def load_for_decoding(
     tokenizer = load_tokenizer(source)
     drafter = load_exported(run.dir / "export" / SGLANG_DIR)
     drafter = drafter.to(where, target.dtype).eval().requires_grad_(False)
-    return DecodingParts(target, tokenizer, drafter, where, target_eos(target, tokenizer))
+    eos = target_eos(target, tokenizer)
+    if prepack and cpu_linears.usable(where, target.dtype):
+        cpu_linears.prepack_linears(target)
+        cpu_linears.prepack_linears(drafter)
+    return DecodingParts(target, tokenizer, drafter, where, eos)

@@ -57,7 +57,8 @@ def run_eval(run: Run, allow_partial: bool = False) -> dict[str, Any]:
 
 def _evaluate_local(run: Run) -> list[dict[str, Any]]:
     ledger, cfg, ec = run.ledger, run.config, run.config.eval
-    parts = load_for_decoding(run, cfg.target.dtype, ec.device)
+    prepack = ec.cpu_prepack and ec.engine != "compiled"
+    parts = load_for_decoding(run, cfg.target.dtype, ec.device, prepack=prepack)
     prompt_sets = {d: dataset_prompts(run, parts.tokenizer, d, ec.num_prompts) for d in ec.datasets}
     settings = Decoding(
         ec.max_new_tokens,
