@@ -4,13 +4,14 @@
 # every device call (64 MiB in all, ../.library/device/README.md), so the pieces go into
 # one commit under kept/KIND/ and out of the tree in the next; gpu/kept.txt names
 # the first, and gpu/pieces.sh restores .carry/KIND from it. KIND is the carry
-# folder gpu/session.sh reads them from: r (rundata), e (export_sglang).
+# folder gpu/session.sh reads them from: r (rundata), e (export_sglang), s (the scale run's
+# ledger and config once its prompts were written: prompts.tgz).
 #   bash gpu/keep.sh r "data stage done, 15,704 conversations" /path/rundata.tgz.*
 set -euo pipefail
-[ $# -ge 3 ] || { echo "usage: bash gpu/keep.sh r|e NOTE FILE..." >&2; exit 2; }
+[ $# -ge 3 ] || { echo "usage: bash gpu/keep.sh r|e|s NOTE FILE..." >&2; exit 2; }
 kind=$1 note=$2
 shift 2
-case $kind in r | e) ;; *) echo "keep.sh: KIND must be r or e, not $kind" >&2; exit 2 ;; esac
+case $kind in r | e | s) ;; *) echo "keep.sh: KIND must be r, e or s, not $kind" >&2; exit 2 ;; esac
 files=()
 for f in "$@"; do files+=("$(realpath "$f")"); done
 cd "$(dirname "$0")/.."

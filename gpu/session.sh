@@ -5,7 +5,8 @@
 #                 .carry/d (ShareGPT JSONL.gz): 65 MB together with the tree (
 #                 gpu/pieces.sh builds .carry/a-d here); on a fresh machine, also
 #                 (in another setup call when over 64 MiB) an earlier call's pieces:
-#                 .carry/r (rundata.tgz.*), .carry/e (export_sglang.tgz.*)
+#                 .carry/r (rundata.tgz.*), .carry/e (export_sglang.tgz.*), .carry/s
+#                 (prompts.tgz.*: the scale run with its prompts written, gpu/kept.txt)
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
 #   CFG (default configs/smollm2-h200.toml) and DATA_SOURCE (data.source) pick the run;
 #   the scale run: CFG=configs/smollm2-scale.toml DATA_SOURCE='["/tmp/c/sharegpt_all.jsonl.gz","self"]'
@@ -40,7 +41,7 @@ if [ "$PHASE" = setup ]; then
   [ -d .carry/a ] && cp .carry/a/gguf.part.aa /tmp/m/
   for d in c d; do [ -d .carry/$d ] && cp .carry/$d/* /tmp/c/; done
   mkdir -p /tmp/q
-  for p in r/rundata e/export_sglang; do
+  for p in r/rundata e/export_sglang s/prompts; do
     if ls .carry/$p.tgz.* >/dev/null 2>&1; then cat .carry/$p.tgz.* | tar -C /tmp/q -xzf - || exit 1; fi
   done
   ls -la /tmp/m /tmp/c /tmp/q
@@ -147,6 +148,7 @@ prompts)
   pid=$!
   until python3 -c 'import sqlite3,sys; c=sqlite3.connect("/tmp/q/ledger.sqlite"); sys.exit(0 if c.execute("SELECT 1 FROM completions WHERE stage=\x27prompts\x27").fetchone() else 1)' 2>/dev/null; do
     kill -0 $pid 2>/dev/null || break
+    [ $SECONDS -gt "${PROMPTS_S:-100000}" ] && break  # a stop: the next call resumes
     sleep 5
   done
   kill -INT $pid 2>/dev/null; sleep "${DRAIN_S:-45}"; kill -INT $pid 2>/dev/null; wait $pid
