@@ -5,13 +5,14 @@ dtype, per dataset and temperature.
     .venv/bin/python bench/decode.py RUN_DIR [--datasets mtbench,humaneval,heldout]
         [--prompts 16] [--max-new 128] [--temperatures 0,1] [--chain 3] [--tree 32,6,8]
         [--model PATH] [--dtype float32] [--device auto] [--engines eager,compiled]
+        [--no-prepack]
 
 Each engine (eager DynamicCache, static cache, compiled: static + torch.compile, CUDA graphs
 on a GPU) runs plain and speculative decoding alike, so each speedup is same-engine.
 RUN_DIR is a finished run (its export directory is what is loaded, as `eagletrain eval`
 does); each result is also saved as RUN_DIR/eval/bench-<dataset>-T<t>.json for
-`eagletrain report`. Prints a table, then `speedup=<x> tau=<y>` last: the dynamic
-tree's, greedy, on the first dataset.
+`eagletrain report`. Prints a table, then the first dataset's greedy figures, the chain's
+tau last (`chain_tau=<x>`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ from eagletrain.runtime.rundir import reopen_run
 
 def add_row(table: Table, engine: str, name: str, temperature: float, r: dict) -> None:
     tokens = sum(p["plain_tokens"] for p in r["per_prompt"])
+    low, high = r["tau_ci95"]
     cells = {
         "chain_tau": f"{r['tau']:.3f}",
+        "ci95": f"{low:.3f}-{high:.3f}",
+        "per_position": "/".join(f"{a:.3f}" for a in r["per_position_acceptance"]),
+        "oov_share": f"{r['out_of_vocab_share']:.3f}",
         "chain_speedup": f"{r['speedup']:.2f}",
         "tree_tau": f"{r['tree']['tau']:.3f}",
         "tree_speedup": f"{r['tree']['speedup']:.2f}",
@@ -76,10 +81,14 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--engines", default="eager", help="eager,static,compiled")
+    parser.add_argument(
+        "--no-prepack", action="store_true", help="on a CPU: keep nn.Linear (not oneDNN-packed)"
+    )
     args = parser.parse_args()
 
     run = reopen_run(args.run_dir)
-    parts = load_for_decoding(run, args.dtype, args.device, args.model)
+    prepack = not args.no_prepack and "compiled" not in args.engines
+    parts = load_for_decoding(run, args.dtype, args.device, args.model, prepack=prepack)
     model, drafter, device, eos = parts.model, parts.drafter, parts.device, parts.eos
     total, depth, topk = (int(x) for x in args.tree.split(","))
     shape = TreeShape(total, depth, topk)
@@ -91,8 +100,9 @@ def main() -> None:
         f"{args.max_new} new tokens"
     )
     for col in (
-        "engine", "dataset", "T", "prompts", "chain tau", "chain speedup", "tree tau",
-        "tree speedup", "lookup tau", "plain tok/s",
+        "engine", "dataset", "T", "prompts", "chain tau", "95% CI", "per position",
+        "out-of-vocab cycles", "chain speedup", "tree tau", "tree speedup", "lookup tau",
+        "plain tok/s",
     ):  # fmt: skip
         table.add_column(col, justify="right")
     prompt_sets = {
@@ -120,10 +130,13 @@ def main() -> None:
                 saved.write_text(json.dumps(r, indent=2))  # `eagletrain report` shows these
                 add_row(table, engine, name, temperature, r)
                 if headline is None and temperature == 0:
-                    headline = r["tree"]
+                    headline = r
     Console(width=160).print(table)
     if headline:
-        print(f"speedup={headline['speedup']:.3f} tau={headline['tau']:.3f}")
+        tree = headline["tree"]
+        print(f"tree_tau={tree['tau']:.3f} tree_speedup={tree['speedup']:.3f} "
+              f"chain_speedup={headline['speedup']:.3f}")  # fmt: skip
+        print(f"chain_tau={headline['tau']:.3f}")
 
 
 if __name__ == "__main__":

@@ -257,6 +257,15 @@ class EvalConfig(Section):
     backend: Literal["local", "server"] = "local"
     server: EvalServerConfig = EvalServerConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_dataset(cls, raw: Any) -> Any:
+        """A run directory written before `datasets` named one `dataset`: read it so."""
+        if isinstance(raw, dict) and "dataset" in raw and "datasets" not in raw:
+            raw = {**raw, "datasets": [raw["dataset"]]}
+            del raw["dataset"]
+        return raw
+
 
 class Config(Section):
     run: RunConfig = RunConfig()
