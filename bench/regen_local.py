@@ -37,9 +37,9 @@ from eagletrain.decode.continuous import ContinuousDecoder, Request, take_from
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target, target_eos
 
 
-def first_turns(source: str, tokenizer, count: int, max_length: int) -> list[list[int]]:
-    """Prompt ids of the first `count` first user turns that fit `max_length`."""
-    prompts = []
+def first_turns(source: str, tokenizer, count: int, max_length: int):
+    """The first `count` first user turns whose prompt fits `max_length`: (chats, ids)."""
+    chats, prompts = [], []
     for record in read_records(source, "auto", "skip"):
         if not record.messages or record.messages[0]["role"] != "user":
             continue
@@ -47,10 +47,11 @@ def first_turns(source: str, tokenizer, count: int, max_length: int) -> list[lis
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= max_length:
+            chats.append(chat)
             prompts.append(ids)
         if len(prompts) == count:
             break
-    return prompts
+    return chats, prompts
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -106,16 +107,16 @@ def run_continuous(model, prompts, max_tokens, eos, rows, attention, width) -> t
     return replies, seconds, warm_up
 
 
-def run_batched(model, tokenizer, prompts, max_tokens, rows, decoder, width) -> tuple:
+def run_batched(model, tokenizer, chats, max_tokens, rows, decoder, width) -> tuple:
+    """The same prompts through LocalGenerator, which applies the chat template itself."""
     cfg = RegenerateConfig(max_tokens=max_tokens, batch_size=rows, decoder=decoder)
     generator = LocalGenerator(model, tokenizer, cfg, max_prompt_tokens=width - max_tokens)
-    chats = [[{"role": "user", "content": tokenizer.decode(p)}] for p in prompts]
     index = {id(c): i for i, c in enumerate(chats)}
     start = time.perf_counter()
     generator.generate(chats[:rows])  # untimed: first-call setup, compilation
     sync()
     warm_up = time.perf_counter() - start
-    replies = [0] * len(prompts)
+    replies = [0] * len(chats)
     start = time.perf_counter()
     for batch in length_grouped(chats, rows, lambda c: c):
         for chat, done in zip(batch, generator.generate(batch), strict=True):
@@ -143,7 +144,7 @@ def main() -> None:
     model = load_target(source, args.dtype, device).eval()
     tokenizer = load_tokenizer(source)
     eos = target_eos(model, tokenizer)
-    prompts = first_turns(args.source, tokenizer, args.prompts, args.max_length)
+    chats, prompts = first_turns(args.source, tokenizer, args.prompts, args.max_length)
     width = args.max_length + args.max_tokens
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -167,7 +168,7 @@ def main() -> None:
                 )
             else:
                 replies, seconds, warm = run_batched(
-                    model, tokenizer, prompts, args.max_tokens, rows, decoder, width
+                    model, tokenizer, chats, args.max_tokens, rows, decoder, width
                 )
         except Exception as err:  # one configuration's failure leaves the others' rows
             print(f"row {spec} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
