@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from eagletrain.errors import ConfigError
-from eagletrain.train.packing import pack_rows
+from eagletrain.train.packing import SampleTooLong, pack_rows
 
 # (aux [T, 3H], last [T, H], input_ids [T], loss_mask [T]) of one sample
 Sample = tuple[torch.Tensor, ...]
@@ -114,16 +114,15 @@ def pack_batch(rows: list[list[Sample]], row_tokens: int) -> Batch:
 
 
 def packed_rows(data: Samples, row_tokens: int) -> list[list[int]]:
-    """The samples' indices packed into rows of at most `row_tokens` tokens."""
-    lengths = [data.tokens(i) for i in range(len(data))]
-    longest = max(lengths, default=0)
-    if longest > row_tokens:
-        worst = data.items[lengths.index(longest)].key
+    """The samples' indices packed into rows of at most `row_tokens` tokens; a sample
+    longer than a row is a ConfigError naming it."""
+    try:
+        return pack_rows([data.tokens(i) for i in range(len(data))], row_tokens)
+    except SampleTooLong as err:
         raise ConfigError(
-            f"train.pack_length {row_tokens} is shorter than sample {worst} ({longest} "
-            f"tokens); set it to at least data.max_length"
-        )
-    return pack_rows(lengths, row_tokens)
+            f"train.pack_length {row_tokens} is shorter than sample {data.items[err.index].key} "
+            f"({err.tokens} tokens); set it to at least data.max_length"
+        ) from None
 
 
 class Batcher:

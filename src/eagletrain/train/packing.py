@@ -6,6 +6,16 @@ loss at each sample's edge."""
 from __future__ import annotations
 
 
+class SampleTooLong(ValueError):
+    """A sample longer than a row: `index` (into the lengths) and its `tokens`."""
+
+    def __init__(self, index: int, tokens: int, row_tokens: int):
+        super().__init__(
+            f"sample {index} has {tokens} tokens, more than a packed row's {row_tokens}"
+        )
+        self.index, self.tokens = index, tokens
+
+
 def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
     """Sample indices per row, first-fit decreasing (deterministic: ties by index). Every
     row's samples sum to at most row_tokens; a longer sample is an error of the caller's."""
@@ -15,7 +25,7 @@ def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
     for i in order:
         n = lengths[i]
         if n > row_tokens:
-            raise ValueError(f"sample {i} has {n} tokens, more than a packed row's {row_tokens}")
+            raise SampleTooLong(i, n, row_tokens)
         for r, free in enumerate(room):
             if n <= free:
                 rows[r].append(i)
