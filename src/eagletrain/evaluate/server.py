@@ -14,6 +14,7 @@ without the drafter, the speedup, and at T = 0 a check that the outputs are equa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -125,12 +126,15 @@ class ServedModel:
 
 
 def _dataset_result(
-    dataset: str, prompts: list[tuple[str, list[int]]], run: Run, on_prompt: Any
+    dataset: str,
+    prompts: list[tuple[str, list[int]]],
+    run: Run,
+    served: ServedModel,
+    plain: ServedModel | None,
+    on_prompt: Any,
 ) -> dict[str, Any]:
     ec = run.config.eval
     cfg = ec.server
-    served = ServedModel(cfg, cfg.base_url, speculative=True)
-    plain = ServedModel(cfg, cfg.plain_base_url, False) if cfg.plain_base_url else None
     per_prompt, spent = [], Counters()
     spec_s = plain_s = 0.0
     equal = 0
@@ -191,7 +195,7 @@ def _dataset_result(
 
 def evaluate_server(run: Run) -> list[dict[str, Any]]:
     """Every dataset of eval.datasets through the server; one result per dataset."""
-    ec, ledger = run.config.eval, run.ledger
+    ec, ledger, cfg = run.config.eval, run.ledger, run.config.eval.server
     tokenizer = load_tokenizer(resolve_target(run.config.target))
     prompt_sets = {d: dataset_prompts(run, tokenizer, d, ec.num_prompts) for d in ec.datasets}
     total = sum(len(p) for p in prompt_sets.values())
@@ -201,9 +205,13 @@ def evaluate_server(run: Run) -> list[dict[str, Any]]:
     def done_prompts(led) -> int:
         return (led.stage_row(STAGE) or {}).get("units_done", 0)
 
+    served = ServedModel(cfg, cfg.base_url, speculative=True)
+    plain = ServedModel(cfg, cfg.plain_base_url, False) if cfg.plain_base_url else None
     with (
         WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_prompts) as worker,
         stage_progress() as bar,
+        served.http,
+        plain.http if plain else contextlib.nullcontext(),
     ):
         task = bar.add_task("eval (server)", total=total, unit="prompts")
         for dataset, prompts in prompt_sets.items():
@@ -213,6 +221,7 @@ def evaluate_server(run: Run) -> list[dict[str, Any]]:
                 worker.progressed()
                 bar.update(task, completed=before + n)
 
-            results.append(_dataset_result(dataset_name(dataset), prompts, run, on_prompt))
+            name = dataset_name(dataset)
+            results.append(_dataset_result(name, prompts, run, served, plain, on_prompt))
             before += len(prompts)
     return results
