@@ -178,9 +178,16 @@ def write_report(run: Run) -> Path:
         ]
         if evals:
             best = max(evals, key=lambda e: e["eval"]["simulated_acceptance_length"])
+            figures = best["eval"]
+            chain = (
+                f"; chain-{figures['chain_steps']} cycles replayed on the same replies: tau "
+                f"{figures['chain_tau']:.3f}"
+                if "chain_tau" in figures
+                else ""
+            )
             lines.append(
-                f"Best held-out simulated tau {best['eval']['simulated_acceptance_length']:.3f} "
-                f"at step {best['step']} (the checkpoint exported)."
+                f"Best held-out simulated tau {figures['simulated_acceptance_length']:.3f} "
+                f"at step {best['step']} (the checkpoint exported){chain}."
             )
         lines += ["", "![training curves](training.png)", ""]
     if results:

@@ -1,5 +1,9 @@
-"""Held-out evaluation during training: loss, per-step accuracies and the simulated
-acceptance length (leading correct TTT steps + 1), on the same batches as training."""
+"""Held-out evaluation during training: loss, per-step accuracies, the simulated
+acceptance length (leading correct TTT steps + 1 at every position whose target token is
+in the draft vocab) and the chain tau a served chain of `chain_steps` drafts would reach on
+the same replies (cycles replayed on the unroll: each starts where the last one's bonus
+token left off, a target token outside the draft vocab ends one), on the same batches as
+training."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ def evaluate_heldout(
     batcher: Batcher,
     batch_size: int,
     device: torch.device,
+    chain_steps: int = 3,
 ) -> dict[str, Any]:
     """In packed rows when training packs (the same figures, one sequence length for the
     kernels); dense TTT attention (no kernel to compile for a gradient-free pass)."""
@@ -26,6 +31,8 @@ def evaluate_heldout(
     drafter.eval()
     loss, acc, cond_acc = 0.0, [0.0] * steps, [0.0] * steps
     accepted_sum, counted_sum, batches = 0.0, 0, 0
+    chain_steps = min(chain_steps, steps)
+    chain_tokens, chain_cycles = 0, 0
     with torch.no_grad(), dense_ttt_attention(drafter):
         for s in range(0, len(batcher), batch_size):
             units = list(range(s, min(s + batch_size, len(batcher))))
@@ -35,6 +42,8 @@ def evaluate_heldout(
             cond_acc = [a + b for a, b in zip(cond_acc, r.step_cond_acc, strict=True)]
             accepted_sum += float((r.accepted * r.counted).sum())
             counted_sum += int(r.counted.sum())
+            tokens, cycles = replay_chain(r.accepted, r.startable, chain_steps)
+            chain_tokens, chain_cycles = chain_tokens + tokens, chain_cycles + cycles
             batches += 1
     drafter.train()
     n = max(batches, 1)
@@ -43,5 +52,35 @@ def evaluate_heldout(
         "heldout_acc": [a / n for a in acc],
         "heldout_cond_acc": [a / n for a in cond_acc],
         "simulated_acceptance_length": 1.0 + accepted_sum / max(counted_sum, 1),
+        "chain_tau": chain_tokens / max(chain_cycles, 1),
+        "chain_steps": chain_steps,
+        "chain_cycles": chain_cycles,
         "heldout_samples": len(batcher.data),
     }
+
+
+def replay_chain(accepted: torch.Tensor, startable: torch.Tensor, steps: int) -> tuple[int, int]:
+    """(tokens, cycles) of served chain decoding with `steps` drafts, replayed on the unroll
+    of every row."""
+    cycles = [
+        k
+        for leading, start in zip(accepted.tolist(), startable.tolist(), strict=True)
+        for k in chain_cycles(leading, start, steps)
+    ]
+    return sum(cycles) + len(cycles), len(cycles)
+
+
+def chain_cycles(leading: list[int], startable: list[bool], steps: int) -> list[int]:
+    """Drafts accepted per cycle of served chain decoding, walked through one row of the
+    unroll (served cycles and the unroll agree cycle by cycle: bench/acceptance_gap.py). A
+    reply's first token comes from the target's prefill; a cycle starting at index i
+    accepts min(leading[i], steps) drafts, and the next starts one past them."""
+    accepted, i = [], 0
+    while i < len(startable):
+        if not startable[i] or i == 0 or not startable[i - 1]:
+            i += 1  # outside a reply, or its first token (the prefill's)
+            continue
+        k = min(leading[i], steps)
+        accepted.append(k)
+        i += k + 1
+    return accepted

@@ -44,6 +44,7 @@ class TrainLog:
         self.board.add_scalar(
             "heldout/simulated_acceptance_length", figures["simulated_acceptance_length"], step
         )
+        self.board.add_scalar("heldout/chain_tau", figures["chain_tau"], step)
         self.board.add_scalar("heldout/loss", figures["heldout_loss"], step)
         for k, acc in enumerate(figures["heldout_acc"]):
             self.board.add_scalar(f"heldout/acc_{k}", acc, step)

@@ -40,8 +40,14 @@ class BestCheckpoint:
     def evaluate(self, step: int, epoch: int, log: TrainLog) -> None:
         parts, parallel = self.parts, self.parallel
         objective = parts.objective if parts.sharded else parts.plain_objective
+        config = self.run.config
         figures = evaluate_heldout(
-            objective, parts.head, parts.heldout, self.run.config.train.batch_size, self.device
+            objective,
+            parts.head,
+            parts.heldout,
+            config.train.batch_size,
+            self.device,
+            chain_steps=config.eval.draft_steps,
         )
         figures["heldout_split"] = (
             "heldout" if parts.heldout is not parts.train else ("train (no heldout)")

@@ -94,6 +94,9 @@ class TTTResult:
     step_count: list[int]
     accepted: torch.Tensor  # [B, T] leading correct steps per index (for simulated tau)
     counted: torch.Tensor  # [B, T] bool: index counts for simulated tau
+    # [B, T] bool: x[i+2] is an assistant token of the same sample (a served cycle could
+    # start at i, whether or not the target's token is in the draft vocab)
+    startable: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,8 @@ def ttt_forward(
     accepted = torch.zeros(b, t, dtype=torch.long, device=aux.device)
     counted = step_mask(loss_mask, target_in_vocab, segments, 0)
     target_argmax = target_p.argmax(-1)
-    out = TTTResult(loss, [], [], [], [], accepted, counted)
+    startable = shift(loss_mask, 2) & same_segment(segments, 2)
+    out = TTTResult(loss, [], [], [], [], accepted, counted, startable)
     figures: list[torch.Tensor] = []
 
     def decoder_step(hidden: torch.Tensor, tokens: torch.Tensor, k: int, *flat: torch.Tensor):
