@@ -49,6 +49,47 @@ def vllm_server(
     OpenAI base URL once the server answers, stops the whole process group after.
     `eager`: vLLM's --enforce-eager (no graph compilation: starts in ~50 s instead of ~2
     minutes here, decodes slower; for tests of what it computes, not how fast)."""
+    with vllm_servers(python, target, [(draft, log)], steps, eager) as started:
+        yield started.wait()[0]
+
+
+class Started:
+    """Servers started, not yet known to serve: `wait()` returns their base URLs once
+    every one answers."""
+
+    def __init__(self, procs: list[tuple[subprocess.Popen, str, Path]]):
+        self.procs, self.deadline = procs, time.time() + START_TIMEOUT_S
+
+    def wait(self) -> list[str]:
+        for proc, base, log in self.procs:
+            _wait_until_serving(proc, base, log, self.deadline)
+        return [f"{base}/v1" for _, base, _ in self.procs]
+
+
+@contextlib.contextmanager
+def vllm_servers(
+    python: Path,
+    target: Path,
+    servers: list[tuple[Path | None, Path]],
+    steps: int = 3,
+    eager: bool = False,
+) -> Iterator[Started]:
+    """Several servers of `target`, one per (draft or None, log), started together and
+    stopped together; other work can run while they start (mostly one core's work:
+    loading and warming up) before `Started.wait()`."""
+    procs: list[tuple[subprocess.Popen, str, Path]] = []
+    try:
+        for draft, log in servers:
+            procs.append(_start(python, target, draft, log, steps, eager))
+        yield Started(procs)
+    finally:
+        for proc, _, _ in procs:
+            _stop(proc)
+
+
+def _start(
+    python: Path, target: Path, draft: Path | None, log: Path, steps: int, eager: bool
+) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
@@ -66,26 +107,29 @@ def vllm_server(
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    base = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _wait_until_serving(proc: subprocess.Popen, base: str, log: Path, deadline: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            tail = "\n".join(log.read_text().splitlines()[-15:])
+            raise RuntimeError(f"vLLM exited with {proc.returncode} before serving:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+                return
+        if time.time() > deadline:
+            raise RuntimeError(f"vLLM did not answer within {START_TIMEOUT_S} s ({log})")
+        time.sleep(2)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """The whole process group: SIGTERM, then SIGKILL after 30 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                tail = "\n".join(log.read_text().splitlines()[-15:])
-                raise RuntimeError(f"vLLM exited with {proc.returncode} before serving:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
-                    break
-            if time.time() > deadline:
-                raise RuntimeError(f"vLLM did not answer within {START_TIMEOUT_S} s ({log})")
-            time.sleep(2)
-        yield f"{base}/v1"
-    finally:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import eagletrain
-from vllm_server import vllm_python, vllm_server
+from vllm_server import Started, vllm_python, vllm_servers
 
 from eagletrain.config import Config
 from eagletrain.target import resolve_target
@@ -29,6 +30,7 @@ from eagletrain.target import resolve_target
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 PROMPTS, NEW_TOKENS = 8, 48
+FORMATS = ("vllm", "speculators")
 DEMO = f"""
 [run]
 name = "vllm-demo"
@@ -92,10 +94,24 @@ def target() -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain_server(python, target, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm-plain") / "server.log"
-    with vllm_server(python, target, None, log, eager=True) as url:
-        yield url
+def started(python, target, demo, tmp_path_factory) -> Iterator[tuple[Started, list[Path]]]:
+    """The target alone and with each export (FORMATS), started together and stopped after
+    the module. (The in-process evaluation run while they start was slower in all: both
+    want both cores.)"""
+    _, run = demo
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    wanted = [(None, logs / "plain.log")]
+    wanted += [(run / "export" / fmt, logs / f"{fmt}.log") for fmt in FORMATS]
+    with vllm_servers(python, target, wanted, eager=True) as handle:
+        yield handle, [log for _, log in wanted]
+
+
+@pytest.fixture(scope="module")
+def servers(started) -> dict[str, tuple[str, Path]]:
+    """name ("plain" or a format) -> (base URL, log), once every server answers."""
+    handle, logs = started
+    urls = handle.wait()
+    return dict(zip(("plain", *FORMATS), zip(urls, logs, strict=True), strict=True))
 
 
 def evaluated(config: Path, run: Path, name: str, *overrides: str) -> dict:
@@ -113,21 +129,18 @@ def in_process(demo) -> dict:
     return evaluated(*demo, "in-process")
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
-def test_vllm_serves_the_export_as_eagletrain_evaluates_it(
-    fmt, python, target, demo, plain_server, in_process, tmp_path
-):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vllm_serves_the_export_as_eagletrain_evaluates_it(fmt, demo, servers, in_process):
     config, run = demo
-    log = tmp_path / "server.log"
-    with vllm_server(python, target, run / "export" / fmt, log, eager=True) as url:
-        served = evaluated(
-            config, run, f"served-{fmt}",
-            "--set", 'eval.backend="server"',
-            "--set", f'eval.server.base_url="{url}"',
-            "--set", f'eval.server.plain_base_url="{plain_server}"',
-            "--set", 'eval.server.model="smollm2"',
-        )  # fmt: skip
-        text = log.read_text()  # before the stop: vLLM logs its own shutdown as errors
+    url, log = servers[fmt]
+    served = evaluated(
+        config, run, f"served-{fmt}",
+        "--set", 'eval.backend="server"',
+        "--set", f'eval.server.base_url="{url}"',
+        "--set", f'eval.server.plain_base_url="{servers["plain"][0]}"',
+        "--set", 'eval.server.model="smollm2"',
+    )  # fmt: skip
+    text = log.read_text()  # while it serves: vLLM logs its own shutdown as errors
     # the layers eagletrain trained on (outputs of 1, 14, 26), in vLLM's convention
     assert "Using auxiliary layers from speculative config: (2, 15, 27)" in text
     # vLLM names weights a checkpoint left out ("were not initialized from checkpoint")
