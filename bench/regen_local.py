@@ -88,10 +88,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_continuous(model, prompts, max_tokens, eos, rows, attention, width) -> tuple:
+def run_continuous(model, prompts, max_tokens, eos, rows, attention, width, prefill) -> tuple:
     decoder = ContinuousDecoder(
         model, rows, width, max_tokens, eos, attention=attention,
-        compile=next(model.parameters()).is_cuda,
+        compile=next(model.parameters()).is_cuda, prefill_positions=prefill,
     )  # fmt: skip
     start = time.perf_counter()
     decoder.warm_up()  # untimed: every width's graph compiled and captured
@@ -104,7 +104,8 @@ def run_continuous(model, prompts, max_tokens, eos, rows, attention, width) -> t
     replies = [0] * len(prompts)
     for f in done:
         replies[f.request.id] = len(f.tokens)
-    return replies, seconds, warm_up
+    padding = decoder.prefilled_positions / max(decoder.prompt_tokens, 1)
+    return replies, seconds, warm_up, padding
 
 
 def run_batched(model, tokenizer, chats, max_tokens, rows, decoder, width) -> tuple:
@@ -122,7 +123,7 @@ def run_batched(model, tokenizer, chats, max_tokens, rows, decoder, width) -> tu
         for chat, done in zip(batch, generator.generate(batch), strict=True):
             replies[index[id(chat)]] = done.completion_tokens
     sync()
-    return replies, time.perf_counter() - start, warm_up
+    return replies, time.perf_counter() - start, warm_up, None
 
 
 def main() -> None:
@@ -137,6 +138,10 @@ def main() -> None:
     parser.add_argument("--source", default="sharegpt")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--prefill-positions", type=int, default=None,
+        help="the continuous decoder's padded positions per prefill forward (default 16 a row)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -154,7 +159,7 @@ def main() -> None:
         f"(copy bandwidth {bandwidth / 1e12:.2f} TB/s)"
     )
     for col in ("decoder / rows / attention", "warm-up s", "tokens", "s", "tok/s",
-                "KV-read limit tok/s", "of limit"):  # fmt: skip
+                "KV-read limit tok/s", "of limit", "prefill padded/real"):  # fmt: skip
         table.add_column(col, justify="right")
     rates: dict[str, float] = {}
     for spec in args.configs.split(","):
@@ -163,11 +168,18 @@ def main() -> None:
         try:
             if decoder == "continuous":
                 attention = rest[0] if rest else "sdpa"
-                replies, seconds, warm = run_continuous(
-                    model, prompts, args.max_tokens, eos, rows, attention, width
+                replies, seconds, warm, padding = run_continuous(
+                    model,
+                    prompts,
+                    args.max_tokens,
+                    eos,
+                    rows,
+                    attention,
+                    width,
+                    args.prefill_positions,
                 )
             else:
-                replies, seconds, warm = run_batched(
+                replies, seconds, warm, padding = run_batched(
                     model, tokenizer, chats, args.max_tokens, rows, decoder, width
                 )
         except Exception as err:  # one configuration's failure leaves the others' rows
@@ -179,10 +191,12 @@ def main() -> None:
         tokens = sum(replies)
         rates[spec] = tokens / seconds
         limit = kv_limit(model, prompts, replies, rows, bandwidth)
+        padded = "" if padding is None else f"{padding:.2f}"
         table.add_row(spec, f"{warm:.1f}", str(tokens), f"{seconds:.1f}", f"{rates[spec]:.0f}",
-                      f"{limit:.0f}", f"{rates[spec] / limit:.0%}")  # fmt: skip
+                      f"{limit:.0f}", f"{rates[spec] / limit:.0%}", padded)  # fmt: skip
         print(f"row {spec} warm_up_s={warm:.1f} tokens={tokens} s={seconds:.1f} "
-              f"tok_s={rates[spec]:.0f} limit_tok_s={limit:.0f}", flush=True)  # fmt: skip
+              f"tok_s={rates[spec]:.0f} limit_tok_s={limit:.0f} prefill_padding={padded or '-'}",
+              flush=True)  # fmt: skip
     Console(width=160).print(table)
     specs = list(rates)
     best = max(specs, key=rates.get)

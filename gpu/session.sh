@@ -12,7 +12,7 @@
 #   the scale run: CFG=configs/smollm2-scale.toml DATA_SOURCE='["/tmp/c/sharegpt_all.jsonl.gz","self"]'
 #   PHASE=data    carry .carry/b and, to continue an earlier session's run, .carry/r (its
 #                 rundata.tgz.* pieces): DECODER=auto first measures generate against
-#                 graphed and takes the faster; regenerate + tokenize
+#                 the continuous decoder and takes the faster; regenerate + tokenize
 #                 (configs/smollm2-h200.toml) until DATA_S seconds (then the turns in
 #                 flight finish, for DRAIN_S at most), then bring the run's
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
@@ -87,21 +87,24 @@ data)
     mkdir -p /tmp/q && cat .carry/r/rundata.tgz.* | tar -C /tmp/q -xzf - || exit 1
     python3 -m eagletrain status /tmp/q | head -3 | tee $OUT/restored.log
   fi
-  # DECODER=auto first measures both local decoders on the same first turns (bench/
-  # regen_local.py: generate against graphed, whose compile is its warm-up) and
-  # regenerates with the faster; DECODER=generate|graphed picks one; unset, the config's
+  # DECODER=auto first measures generate against the continuous decoder (flex attention)
+  # on the same first turns (bench/regen_local.py; warm-ups untimed) and regenerates with
+  # the faster; DECODER=generate|graphed|continuous picks one; unset, the config's
   start=$SECONDS
   decoder=${DECODER:-}
   if [ "$decoder" = auto ]; then
     timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
-      --dtype "${DTYPE:-bfloat16}" --prompts "${REGEN_PROMPTS:-512}" --batch "${REGEN_BATCH:-512}" \
-      --max-tokens "${MAX_NEW:-256}" --configs dynamic/packed-gqa/no-cudnn,graphed/packed-gqa/no-cudnn \
+      --dtype "${DTYPE:-bfloat16}" --prompts "${REGEN_PROMPTS:-1024}" \
+      --max-tokens "${MAX_NEW:-256}" --configs generate/512,continuous/1024/flex \
       2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log
-    rate() { sed -n "s|^row $1 grouped .*tok_s=\([0-9]*\)\$|\1|p" $OUT/regen_bench.log; }
-    generate=$(rate dynamic/packed-gqa/no-cudnn) graphed=$(rate graphed/packed-gqa/no-cudnn)
+    rate() { sed -n "s|^row $1 .* tok_s=\([0-9]*\) .*|\1|p" $OUT/regen_bench.log; }
+    generate=$(rate generate/512) continuous=$(rate continuous/1024/flex)
     decoder=generate
-    [ "${graphed:-0}" -gt "${generate:-0}" ] && decoder=graphed
-    echo "decoder=$decoder (generate ${generate:-none} tok/s, graphed ${graphed:-none})" | tee -a $OUT/regen_bench.log
+    if [ "${continuous:-0}" -gt "${generate:-0}" ]; then
+      decoder=continuous
+      SETS+=(--set data.regen.continuous_attention=flex)
+    fi
+    echo "decoder=$decoder (generate ${generate:-none} tok/s, continuous ${continuous:-none})" | tee -a $OUT/regen_bench.log
   fi
   [ -n "$decoder" ] && SETS+=(--set "data.regen.decoder=$decoder")
   # at DATA_S from the call's start a first SIGINT: no new turn, the turns in flight finish

@@ -65,6 +65,28 @@ def test_refilled_rows_give_generates_tokens(tiny, compile):
     assert again == {r.id: expected[r.id] for r in work[::-1][:5]}
 
 
+def test_a_refill_is_prefilled_by_length_in_bounded_forwards(tiny):
+    """Prompts of one refill, sorted by length into forwards of at most `prefill_positions`
+    padded positions, pad less than one forward padded to the longest, with the same tokens."""
+    _, model = tiny
+    work = requests(16, seed=3)
+    expected = {r.id: generate_greedy(model, r.prompt, r.max_new, set()) for r in work}
+
+    def decoded(budget: int) -> tuple[dict, ContinuousDecoder]:
+        decoder = ContinuousDecoder(
+            model, rows=16, width=64, max_new=24, eos=set(), prefill_positions=budget
+        )
+        return {f.request.id: f.tokens for f in decoder.run(take_from(work))}, decoder
+
+    whole, one_forward = decoded(1 << 20)
+    grouped, bounded = decoded(64)
+    assert whole == grouped == expected
+    real = sum(len(r.prompt) for r in work)
+    assert one_forward.prompt_tokens == bounded.prompt_tokens == real
+    assert one_forward.prefilled_positions == 16 * max(len(r.prompt) for r in work)
+    assert real <= bounded.prefilled_positions < 0.8 * one_forward.prefilled_positions
+
+
 def test_attention_width_follows_the_live_rows(tiny):
     """Rows attend only up to the widest live row's length (in buckets), not the whole cache."""
     _, model = tiny

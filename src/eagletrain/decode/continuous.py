@@ -31,6 +31,10 @@ from eagletrain.errors import ConfigError
 
 Attention = Literal["sdpa", "flex"]
 BUCKET = 128  # attention widths are multiples of this (one compiled graph per width)
+# a refill's prompts are prefilled sorted by length, in right-padded forwards of at most
+# this many positions per decoding row (or one prompt): padding every prompt to the
+# refill's longest cost 5.3 of 12.2 s on an H100 (docs/benchmarks.md)
+PREFILL_POSITIONS_PER_ROW = 16
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,11 @@ class ContinuousDecoder:
         attention: Attention = "sdpa",
         compile: bool = False,
         check_every: int = 8,
+        prefill_positions: int | None = None,
     ):
+        """`prefill_positions`: padded positions per prefill forward (default 16 a row)."""
         check_supported(model)
+        self.prefill_budget = prefill_positions or PREFILL_POSITIONS_PER_ROW * rows
         self.model, self.rows, self.eos = model, rows, sorted(eos)
         self.width = math.ceil(width / BUCKET) * BUCKET
         self.temperature, self.top_p, self.attention = temperature, top_p, attention
@@ -102,6 +109,7 @@ class ContinuousDecoder:
         self.step, self.compiled = compiled_steps(self._step, compile), compile
         self.steps_run = 0
         self.attended_columns = 0  # row x column reads of the cache, summed over steps
+        self.prompt_tokens = self.prefilled_positions = 0  # real and padded, summed
 
     # ---- the model, layer by layer --------------------------------------------------------
     def _forward(
@@ -174,9 +182,23 @@ class ContinuousDecoder:
         self.active.copy_(running & ~ended)
 
     def _prefill(self, slots: list[int], requests: list[Request]) -> None:
-        """Each request's prompt into its row (right-padded; pads come after the real tokens
-        and are never attended), and its first token sampled."""
+        """Each request's prompt into its row and its first token sampled: sorted by
+        length, in forwards of at most `prefill_budget` padded positions."""
+        order = sorted(range(len(requests)), key=lambda j: len(requests[j].prompt))
+        group: list[int] = []
+        for j in order:
+            if group and (len(group) + 1) * len(requests[j].prompt) > self.prefill_budget:
+                self._prefill_group([slots[g] for g in group], [requests[g] for g in group])
+                group = []
+            group.append(j)
+        self._prefill_group([slots[g] for g in group], [requests[g] for g in group])
+
+    def _prefill_group(self, slots: list[int], requests: list[Request]) -> None:
+        """One right-padded forward (pads come after the real tokens and are never
+        attended)."""
         longest = max(len(r.prompt) for r in requests)
+        self.prompt_tokens += sum(len(r.prompt) for r in requests)
+        self.prefilled_positions += longest * len(requests)
         ids = torch.zeros(len(requests), longest, dtype=torch.long)
         for j, r in enumerate(requests):
             ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
