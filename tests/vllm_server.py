@@ -49,21 +49,8 @@ def vllm_server(
     OpenAI base URL once the server answers, stops the whole process group after.
     `eager`: vLLM's --enforce-eager (no graph compilation: starts in ~50 s instead of ~2
     minutes here, decodes slower; for tests of what it computes, not how fast)."""
-    with vllm_servers(python, target, [(draft, log)], steps, eager) as started:
-        yield started.wait()[0]
-
-
-class Started:
-    """Servers started, not yet known to serve: `wait()` returns their base URLs once
-    every one answers."""
-
-    def __init__(self, procs: list[tuple[subprocess.Popen, str, Path]]):
-        self.procs, self.deadline = procs, time.time() + START_TIMEOUT_S
-
-    def wait(self) -> list[str]:
-        for proc, base, log in self.procs:
-            _wait_until_serving(proc, base, log, self.deadline)
-        return [f"{base}/v1" for _, base, _ in self.procs]
+    with vllm_servers(python, target, [(draft, log)], steps, eager) as (url,):
+        yield url
 
 
 @contextlib.contextmanager
@@ -73,15 +60,18 @@ def vllm_servers(
     servers: list[tuple[Path | None, Path]],
     steps: int = 3,
     eager: bool = False,
-) -> Iterator[Started]:
-    """Several servers of `target`, one per (draft or None, log), started together and
-    stopped together; other work can run while they start (mostly one core's work:
-    loading and warming up) before `Started.wait()`."""
+) -> Iterator[list[str]]:
+    """Several servers of `target`, one per (draft or None, log), started together (a
+    start is mostly one core's work: loading and warming up); yields their OpenAI base
+    URLs once every one answers, stops them together after."""
     procs: list[tuple[subprocess.Popen, str, Path]] = []
     try:
         for draft, log in servers:
             procs.append(_start(python, target, draft, log, steps, eager))
-        yield Started(procs)
+        deadline = time.time() + START_TIMEOUT_S
+        for proc, base, log in procs:
+            _wait_until_serving(proc, base, log, deadline)
+        yield [f"{base}/v1" for _, base, _ in procs]
     finally:
         for proc, _, _ in procs:
             _stop(proc)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import eagletrain
-from vllm_server import Started, vllm_python, vllm_servers
+from vllm_server import vllm_python, vllm_servers
 
 from eagletrain.config import Config
 from eagletrain.target import resolve_target
@@ -94,24 +94,15 @@ def target() -> Path:
 
 
 @pytest.fixture(scope="module")
-def started(python, target, demo, tmp_path_factory) -> Iterator[tuple[Started, list[Path]]]:
-    """The target alone and with each export (FORMATS), started together and stopped after
-    the module. (The in-process evaluation run while they start was slower in all: both
-    want both cores.)"""
+def servers(python, target, demo, tmp_path_factory) -> Iterator[dict[str, tuple[str, Path]]]:
+    """name ("plain" or a format) -> (base URL, log): the target alone and with each
+    export, started together and stopped after the module."""
     _, run = demo
     logs = tmp_path_factory.mktemp("vllm-logs")
-    wanted = [(None, logs / "plain.log")]
-    wanted += [(run / "export" / fmt, logs / f"{fmt}.log") for fmt in FORMATS]
-    with vllm_servers(python, target, wanted, eager=True) as handle:
-        yield handle, [log for _, log in wanted]
-
-
-@pytest.fixture(scope="module")
-def servers(started) -> dict[str, tuple[str, Path]]:
-    """name ("plain" or a format) -> (base URL, log), once every server answers."""
-    handle, logs = started
-    urls = handle.wait()
-    return dict(zip(("plain", *FORMATS), zip(urls, logs, strict=True), strict=True))
+    drafts = {"plain": None, **{fmt: run / "export" / fmt for fmt in FORMATS}}
+    wanted = [(draft, logs / f"{name}.log") for name, draft in drafts.items()]
+    with vllm_servers(python, target, wanted, eager=True) as urls:
+        yield {name: (url, log) for name, url, (_, log) in zip(drafts, urls, wanted, strict=True)}
 
 
 def evaluated(config: Path, run: Path, name: str, *overrides: str) -> dict:

@@ -96,7 +96,7 @@ class TTTResult:
     counted: torch.Tensor  # [B, T] bool: index counts for simulated tau
     # [B, T] bool: x[i+2] is an assistant token of the same sample (a served cycle could
     # start at i, whether or not the target's token is in the draft vocab)
-    startable: torch.Tensor | None = None
+    startable: torch.Tensor
 
 
 @dataclass(frozen=True)
