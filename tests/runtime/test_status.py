@@ -56,6 +56,9 @@ def test_stopped_worker_is_stalled_then_running_again(tiny_config: Path, tmp_pat
                 status_json(run, EAGLETRAIN_STALL_AFTER_S="1")["extract"]["verdict"] == "running"
             )
         )
+        # what the running worker is at (a long compile says so the same way)
+        shown = eagletrain("status", run).stdout
+        assert "now: batch from sample " in shown.split("extract")[1].splitlines()[0], shown
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()

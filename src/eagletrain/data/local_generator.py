@@ -47,10 +47,13 @@ class LocalGenerator:
         cfg: RegenerateConfig,
         seed: int = 0,
         max_prompt_tokens: int | None = None,
+        note: Callable[[str], None] | None = None,
     ):
         """`max_prompt_tokens` bounds a request's prompt (the graphed decoder's cache holds
-        it plus `cfg.max_tokens`); longer prompts are refused there."""
+        it plus `cfg.max_tokens`); longer prompts are refused there. `note` hears what the
+        decoder is doing when it is not decoding (compiling), on the event loop's thread."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.note = note
         self.device = next(model.parameters()).device
         self.seed = seed
         self.requests = 0
@@ -166,12 +169,17 @@ class LocalGenerator:
         try:
             torch.manual_seed(self.seed)
             with self._sdpa_backends():
-                self._continuous.warm_up()
+                self._continuous.warm_up(self._note_from_thread)
+                self._note_from_thread("decoding")
                 for done in self._continuous.run(self._take):
                     self._loop.call_soon_threadsafe(resolve, done.request.id, done, None)
         except Exception as err:  # the decoder failed: no conversation waits forever
             for future in list(self._waiting):
                 self._loop.call_soon_threadsafe(resolve, future, None, err)
+
+    def _note_from_thread(self, what: str) -> None:
+        if self.note is not None:
+            self._loop.call_soon_threadsafe(self.note, what)
 
     async def _serve(self) -> None:
         while True:

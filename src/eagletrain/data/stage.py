@@ -241,6 +241,7 @@ def _regenerate_and_tokenize(
             cfg.regen,
             run.config.run.seed,
             max_prompt_tokens=cfg.max_length,
+            note=writer.worker.set_current,  # `status` shows it: a compile takes minutes
         )
     else:
         from eagletrain.data.api_client import ChatClient

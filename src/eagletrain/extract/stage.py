@@ -300,7 +300,7 @@ def run_extract(
             task = bar.add_task("extract", total=len(pending), unit="samples")
 
             def on_batch(batch: list[ItemRow]) -> None:
-                worker.set_current(batch[0].key)
+                worker.set_current(f"batch from sample {batch[0].key}")
                 bar.advance(task, len(batch))
                 inject_delay("extract")
 

@@ -222,6 +222,9 @@ def format_line(st: StageStatus) -> str:
     if st.verdict in ("running", "stalled"):
         parts.append(f"eta {_duration(st.eta_s)}")
         parts.append(f"heartbeat {_duration(st.heartbeat_age_s)} ago")
+        doing = [w.current for w in st.workers if w.verdict == st.verdict and w.current]
+        if doing:
+            parts.append(f"now: {'; '.join(doing)}")
     if st.note:
         parts.append(f"-- {st.note}")
     line = "  ".join(parts)
