@@ -61,15 +61,23 @@ def plot_training(steps: list[dict], evals: list[dict], out: Path) -> None:
         ax.legend(fontsize=7, ncol=2)
         ax.grid(alpha=0.3)
     if evals:
-        axes[2].plot(
-            [e["step"] for e in evals],
-            [e["eval"]["simulated_acceptance_length"] for e in evals],
-            marker="o",
-        )
+        at = [e["step"] for e in evals]
+        simulated = [e["eval"]["simulated_acceptance_length"] for e in evals]
+        axes[2].plot(at, simulated, marker="o", label="simulated, 7 steps")
+        replayed = [e for e in evals if "chain_tau" in e["eval"]]
+        if replayed:
+            label = f"served chain {replayed[-1]['eval']['chain_steps']}, replayed"
+            axes[2].plot(
+                [e["step"] for e in replayed],
+                [e["eval"]["chain_tau"] for e in replayed],
+                marker="s",
+                label=label,
+            )
+        axes[2].legend(fontsize=8)
     axes[2].set(
-        title="held-out simulated acceptance length",
+        title="held-out acceptance length",
         xlabel="optimizer step",
-        ylabel="tau (simulated)",
+        ylabel="tau",
     )
     axes[2].grid(alpha=0.3)
     fig.tight_layout()
