@@ -209,6 +209,8 @@ class TrainConfig(Section):
     # held-out evaluation every N steps (0: at each epoch's end only); the best simulated
     # acceptance length selects the checkpoint
     eval_every: int = Field(0, ge=0)
+    # profile steps N to N+2 into train/profile-steps-*.txt (0: off; train/profiling.py)
+    profile_step: int = Field(0, ge=0)
     device: str = "auto"
 
 

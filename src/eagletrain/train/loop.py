@@ -21,6 +21,7 @@ from eagletrain.train.checkpoint import CHECKPOINT, save_checkpoint
 from eagletrain.train.heldout import evaluate_heldout
 from eagletrain.train.log import TrainLog
 from eagletrain.train.parallel import Parallel
+from eagletrain.train.profiling import StepProfiler
 from eagletrain.train.sharding import full_model_state, full_optimizer_state
 from eagletrain.train.state import Position, load_train_state, remove_older, save_train_state
 from eagletrain.train.step import train_step
@@ -94,6 +95,7 @@ def train_loop(
         return (led.stage_row(STAGE) or {}).get("units_done", 0)
 
     log = TrainLog(train_dir, position.step, enabled=parallel.main)
+    profiler = StepProfiler(train_dir, tc.profile_step, enabled=parallel.main)
     with (
         WorkerSession(ledger, run.dir, STAGE, "0/1", done_counter=done_steps)
         if parallel.main
@@ -109,6 +111,7 @@ def train_loop(
             random.Random(run.config.run.seed * 1_000_003 + epoch).shuffle(order)
             first = position.batch if epoch == position.epoch else 0
             for b in range(first, parts.steps_per_epoch):
+                profiler.before(step + 1)
                 units = order[b * tc.batch_size : (b + 1) * tc.batch_size]
                 batch = parts.train.batch(units[parallel.rank :: parallel.world])
                 if parts.train.rows is not None:  # an epoch's short last batch: the same shape
@@ -119,6 +122,7 @@ def train_loop(
                     stop.requested,
                 )  # fmt: skip
                 step += 1
+                profiler.after(step)
                 log.step({"step": step, "epoch": epoch, "time": time.time() - start, **figures})
                 if b == parts.steps_per_epoch - 1 or (tc.eval_every and step % tc.eval_every == 0):
                     if parallel.main or parts.sharded:
