@@ -131,7 +131,7 @@ train)
   timeout -k 20 -s INT "${TRAIN_S:-540}" torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
   python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -4 | tee -a $OUT/train.log
   ledger_times train.log
-  cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json $OUT/ 2>/dev/null
+  cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json /tmp/q/train/profile-*.txt $OUT/ 2>/dev/null
   # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come back
   tar -C /tmp/q -czf - export/sglang | split -b 15M - $OUT/export_sglang.tgz. ;;
 decode)
