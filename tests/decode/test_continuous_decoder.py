@@ -45,8 +45,10 @@ def requests(n: int, seed: int = 0) -> list[Request]:
     return out
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_refilled_rows_give_generates_tokens(tiny, compile):
+@pytest.mark.parametrize(
+    ("compile", "attention"), [(False, "sdpa"), (True, "sdpa"), (False, "flex")]
+)
+def test_refilled_rows_give_generates_tokens(tiny, compile, attention):
     _, model = tiny
     work = requests(13)
     # a token that some replies emit part-way becomes the end of sequence, so rows end at
@@ -55,7 +57,7 @@ def test_refilled_rows_give_generates_tokens(tiny, compile):
     eos = {next(t for t in probe[2][1:] if any(t not in p for p in probe))}
     expected = {r.id: generate_greedy(model, r.prompt, r.max_new, eos) for r in work}
     decoder = ContinuousDecoder(model, rows=4, width=64, max_new=24, eos=eos, compile=compile,
-                                check_every=3)  # fmt: skip
+                                attention=attention, check_every=3)  # fmt: skip
     got = {f.request.id: (f.tokens, f.stopped) for f in decoder.run(take_from(work))}
     assert {i: tokens for i, (tokens, _) in got.items()} == expected
     assert {stopped for _, stopped in got.values()} == {True, False}
