@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${EAGLETRAIN_VLLM_VENV:-.venv-vllm}
-# one maker at a time: the test command builds it in the background while the tests run,
-# and a vLLM test that gets here first waits for that build instead of starting another
+# one maker at a time: a vLLM test or bench started while the test command's background
+# build runs waits for that build instead of starting another in the same folder
 exec 9>"$venv.lock"
 flock 9
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
