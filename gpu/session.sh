@@ -28,6 +28,8 @@
 #   PHASE=train   extract (skipped with train.online), train under torchrun until TRAIN_S
 #                 seconds (the next call resumes), export once training is complete;
 #                 ALLOW_PARTIAL=1 to go on with what an unfinished data stage holds
+#   PHASE=trainbench bench/train_online.py on the run in /tmp/q (VARIANTS, STEPS): the
+#                 online trainer's batch and step times, and a kernel table
 #   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
 #                 and held-out at T=0 and 1, chain 3 and tree, each speedup against plain
 #                 decoding on the same engine; the JSON results come back as one tgz
@@ -134,6 +136,13 @@ train)
   cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json /tmp/q/train/profile-*.txt $OUT/ 2>/dev/null
   # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come back
   tar -C /tmp/q -czf - export/sglang | split -b 15M - $OUT/export_sglang.tgz. ;;
+trainbench)
+  # bench/train_online.py on the run's data (a kept data stage: .carry/r): the target's
+  # forward padded against packed, the decoder layer compiled, the TTT block masks
+  timeout "${BENCH_S:-420}" python3 bench/train_online.py /tmp/q --set target.model="$M" \
+    --variants "${VARIANTS:-padded,packed,packed+compile}" --steps "${STEPS:-30}" \
+    --profile "${PROFILE_VARIANT:-packed}" --profile-out $OUT/train_online_profile.txt \
+    2>&1 | grep -v -i "warn\|━\|Loading weights" | tee $OUT/train_online.log ;;
 decode)
   # one process per engine (a failure or time limit in one leaves the rest); each builds
   # its engine once for every dataset and temperature and saves each result as it is done

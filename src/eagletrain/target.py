@@ -179,6 +179,20 @@ def target_features(
         return aux.clone(), captured[last_id].clone()
 
 
+def packed_target_features(
+    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, aux_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_features` of packed rows ([B, T], several samples a row, `positions`
+    restarting at each): no attention mask, so transformers reads the samples' bounds from
+    the position ids (a restart begins a sample) and keeps attention within each."""
+    last_id = model.config.num_hidden_layers - 1
+    with torch.inference_mode(), capture_layer_outputs(model, [*aux_ids, last_id]) as captured:
+        model.model(input_ids=input_ids, position_ids=positions, use_cache=False)
+        aux = torch.cat([captured[i] for i in aux_ids], dim=-1)
+    # copied outside inference mode: the batch's features enter autograd as they are
+    return aux.clone(), captured[last_id].clone()
+
+
 def target_eos(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     """The target's end-of-sequence ids: its config's, its generation config's and its
     tokenizer's (a chat model may end a turn on any of them)."""

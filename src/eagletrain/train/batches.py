@@ -6,7 +6,7 @@ samples."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,6 +27,14 @@ class Samples(Protocol):
     def tokens(self, i: int) -> int: ...
 
     def samples(self, indices: list[int]) -> list[Sample]: ...
+
+
+@runtime_checkable
+class PackedFeatures(Protocol):
+    """A dataset that computes features for whole packed rows at once (online training:
+    one target forward over the rows, not one over samples padded to the longest)."""
+
+    def packed_batch(self, rows: list[list[int]], row_tokens: int) -> Batch: ...
 
 
 @dataclass
@@ -103,14 +111,40 @@ def pack_batch(rows: list[list[Sample]], row_tokens: int) -> Batch:
     out = _empty_batch(rows[0][0], len(rows), row_tokens, True)
     for r, row in enumerate(rows):
         start = 0
-        for s, (aux, last, ids, mask) in enumerate(row, start=1):
+        for aux, last, ids, _ in row:
             end = start + ids.shape[0]
             out.aux[r, start:end], out.last[r, start:end] = aux, last
+            start = end
+    _fill_packed_tokens(out, [[(s[2], s[3]) for s in row] for row in rows])
+    return out
+
+
+def pack_tokens(rows: list[list[tuple[torch.Tensor, torch.Tensor]]], row_tokens: int) -> Batch:
+    """Packed rows of (input_ids, loss_mask) samples, with empty (0-width) features: for
+    a caller that computes the features from the packed rows themselves (online)."""
+    b = len(rows)
+    out = Batch(
+        torch.zeros(b, row_tokens, 0),
+        torch.zeros(b, row_tokens, 0),
+        torch.zeros(b, row_tokens, dtype=torch.long),
+        torch.zeros(b, row_tokens, dtype=torch.bool),
+        torch.zeros(b, row_tokens, dtype=torch.long),
+        torch.zeros(b, row_tokens, dtype=torch.long),
+    )
+    _fill_packed_tokens(out, rows)
+    return out
+
+
+def _fill_packed_tokens(out: Batch, rows: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    assert out.positions is not None and out.segments is not None
+    for r, row in enumerate(rows):
+        start = 0
+        for s, (ids, mask) in enumerate(row, start=1):
+            end = start + ids.shape[0]
             out.input_ids[r, start:end], out.loss_mask[r, start:end] = ids.long(), mask.bool()
             out.positions[r, start:end] = torch.arange(end - start)
             out.segments[r, start:end] = s
             start = end
-    return out
 
 
 def packed_rows(data: Samples, row_tokens: int) -> list[list[int]]:
@@ -140,6 +174,8 @@ class Batcher:
         if self.rows is None or self.pack_length is None:
             return pad_batch(self.data.samples(units))
         rows = [self.rows[u] for u in units]
+        if isinstance(self.data, PackedFeatures):
+            return self.data.packed_batch(rows, self.pack_length)
         flat = [i for row in rows for i in row]
         by_index = dict(zip(flat, self.data.samples(flat), strict=True))
         return pack_batch([[by_index[i] for i in row] for row in rows], self.pack_length)

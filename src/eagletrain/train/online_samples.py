@@ -9,8 +9,8 @@ import torch
 
 from eagletrain.data.samples import DataSamples
 from eagletrain.runtime.ledger import ItemRow
-from eagletrain.target import target_features
-from eagletrain.train.batches import Sample
+from eagletrain.target import packed_target_features, target_features
+from eagletrain.train.batches import Batch, Sample, pack_tokens
 
 
 class OnlineSamples:
@@ -44,3 +44,20 @@ class OnlineSamples:
             self.model, ids.to(self.device), valid.to(self.device), self.aux_ids
         )
         return [(aux[b, : len(x)], last[b, : len(x)], x, m) for b, (x, m) in enumerate(inputs)]
+
+    def packed_batch(self, rows: list[list[int]], row_tokens: int) -> Batch:
+        """Packed rows of these samples, their features from one target forward over the
+        rows themselves: row_tokens per row, where a forward over the samples padded to
+        the longest would compute every sample at the longest one's length."""
+        tokens = pack_tokens(
+            [[self.source.get(self.items[i].key) for i in row] for row in rows], row_tokens
+        )
+        device = self.device
+        aux, last = packed_target_features(
+            self.model,
+            tokens.input_ids.to(device),
+            tokens.positions.to(device),  # type: ignore[union-attr]
+            self.aux_ids,
+        )
+        tokens.aux, tokens.last = aux, last
+        return tokens
