@@ -9,7 +9,7 @@ times `train_step` on the same batches, the batch (the target's forward inside) 
 step apart, with a device sync between them:
 
 - padded: the target's forward over the batch's samples, each padded to the longest
-  (eagletrain before commit "online: one target forward over the packed rows");
+  (eagletrain before ef234f6);
 - packed: the target's forward over the packed rows themselves (position ids restart at
   each sample; transformers keeps attention within it);
 - +compile: train.compile (the drafter's decoder layer under torch.compile).

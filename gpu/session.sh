@@ -44,7 +44,12 @@ if [ "$PHASE" = setup ]; then
   for d in c d; do [ -d .carry/$d ] && cp .carry/$d/* /tmp/c/; done
   mkdir -p /tmp/q
   for p in r/rundata e/export_sglang s/prompts; do
-    if ls .carry/$p.tgz.* >/dev/null 2>&1; then cat .carry/$p.tgz.* | tar -C /tmp/q -xzf - || exit 1; fi
+    # removed once unpacked: carried paths stay on the machine for later calls, and a later
+    # setup would unpack them again over another run (2026-12-06)
+    if ls .carry/$p.tgz.* >/dev/null 2>&1; then
+      cat .carry/$p.tgz.* | tar -C /tmp/q -xzf - || exit 1
+      rm -f .carry/$p.tgz.*
+    fi
   done
   ls -la /tmp/m /tmp/c /tmp/q
   exit 0

@@ -9,8 +9,8 @@ vllm_log=$(mktemp)
 bash scripts/vllm_venv.sh > "$vllm_log" 2>&1 &
 vllm_venv=$!
 bash scripts/install.sh
-.venv/bin/ruff check src tests bench gpu
-.venv/bin/ruff format --check src tests bench gpu
+.venv/bin/ruff check src tests bench gpu scripts
+.venv/bin/ruff format --check src tests bench gpu scripts
 if ! wait "$vllm_venv"; then
   echo "scripts/vllm_venv.sh failed:" >&2
   tail -20 "$vllm_log" >&2
