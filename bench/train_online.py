@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eagletrain.config import load_config
+from eagletrain.drafter import _packed_ttt_block_mask
 from eagletrain.runtime.ledger import Ledger
 from eagletrain.runtime.rundir import CONFIG_NAME, Run
 from eagletrain.target import pick_device, resolve_target
@@ -100,18 +101,13 @@ def time_steps(
 
 
 def block_mask_seconds(segments: torch.Tensor, steps: int, compiled: bool) -> float:
-    """Seconds to build one batch's packed TTT block masks (one per TTT step)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, t = segments.shape
-
-    def mask_mod(bi, h, q, kv):
-        prefix = (kv <= q) & (segments[bi, kv % t] == segments[bi, q])
-        return torch.where(kv < t, prefix, (kv % t) == q)
+    """Seconds to build one batch's packed TTT block masks (one per TTT step), as the
+    drafter builds them."""
+    t = segments.shape[1]
 
     def build_all() -> None:
         for k in range(steps):
-            create_block_mask(mask_mod, b, None, t, t * (k + 1), segments.device, _compile=compiled)
+            _packed_ttt_block_mask(segments, t * (k + 1), compiled)
 
     build_all()  # compiles (compiled) or warms the allocator
     start = sync(segments.device)

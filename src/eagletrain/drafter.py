@@ -61,9 +61,10 @@ def _ttt_block_mask(t: int, keys: int, device: torch.device):
     return create_block_mask(mask_mod, None, None, t, keys, device=device)
 
 
-def _packed_ttt_block_mask(segments: torch.Tensor, keys: int):
+def _packed_ttt_block_mask(segments: torch.Tensor, keys: int, compiled: bool = False):
     """The TTT mask of packed rows: step 0's keys also only within the query's sample
-    (`segments` [B, t]: which sample of the row each index holds)."""
+    (`segments` [B, t]: which sample of the row each index holds). `compiled` builds it
+    with create_block_mask's own compiled path (bench/train_online.py times both)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, t = segments.shape
@@ -72,7 +73,7 @@ def _packed_ttt_block_mask(segments: torch.Tensor, keys: int):
         prefix = (kv <= q) & (segments[b, kv % t] == segments[b, q])
         return torch.where(kv < t, prefix, (kv % t) == q)
 
-    return create_block_mask(mask_mod, b, None, t, keys, device=segments.device)
+    return create_block_mask(mask_mod, b, None, t, keys, device=segments.device, _compile=compiled)
 
 
 def compile_decoder_layer(drafter: Eagle3Drafter) -> None:

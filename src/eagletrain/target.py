@@ -172,11 +172,7 @@ def target_features(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One right-padded forward of the target: (aux [B, T, 3H], last [B, T, H]), the three
     aux layers' outputs and the last decoder layer's output before the final norm."""
-    last_id = model.config.num_hidden_layers - 1
-    with torch.inference_mode(), capture_layer_outputs(model, [*aux_ids, last_id]) as captured:
-        model.model(input_ids=input_ids, attention_mask=valid.long(), use_cache=False)
-        aux = torch.cat([captured[i] for i in aux_ids], dim=-1)
-        return aux.clone(), captured[last_id].clone()
+    return _layer_features(model, aux_ids, input_ids=input_ids, attention_mask=valid.long())
 
 
 def packed_target_features(
@@ -185,11 +181,18 @@ def packed_target_features(
     """`target_features` of packed rows ([B, T], several samples a row, `positions`
     restarting at each): no attention mask, so transformers reads the samples' bounds from
     the position ids (a restart begins a sample) and keeps attention within each."""
+    return _layer_features(model, aux_ids, input_ids=input_ids, position_ids=positions)
+
+
+def _layer_features(
+    model: nn.Module, aux_ids: list[int], **inputs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, last) of one forward of the target's decoder stack on `inputs`."""
     last_id = model.config.num_hidden_layers - 1
     with torch.inference_mode(), capture_layer_outputs(model, [*aux_ids, last_id]) as captured:
-        model.model(input_ids=input_ids, position_ids=positions, use_cache=False)
+        model.model(**inputs, use_cache=False)
         aux = torch.cat([captured[i] for i in aux_ids], dim=-1)
-    # copied outside inference mode: the batch's features enter autograd as they are
+    # copied outside inference mode: the features may enter autograd as they are
     return aux.clone(), captured[last_id].clone()
 
 
