@@ -8,7 +8,7 @@ Configurations `DECODER/ROWS[/ATTENTION]`:
   each step a CUDA graph, a batch runs until its longest reply ends;
 - `continuous/1024/sdpa`, `continuous/1024/flex`: decode/continuous.py, ROWS rows
   refilled as each reply ends, attention to the live width (sdpa) or to each row's own
-  blocks (flex).
+  blocks (flex); the refills' prefill compiled on a GPU, eager with a trailing `/eager`.
 
 The KV-read limit: every generated token reads its whole context's keys and values
 (layers x KV heads x head dim x 2 x dtype bytes per position) and its share of the
@@ -88,10 +88,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_continuous(model, prompts, max_tokens, eos, rows, attention, width, prefill) -> tuple:
+def run_continuous(
+    model, prompts, max_tokens, eos, rows, attention, width, prefill, compile_prefill
+) -> tuple:
     decoder = ContinuousDecoder(
         model, rows, width, max_tokens, eos, attention=attention,
         compile=next(model.parameters()).is_cuda, prefill_positions=prefill,
+        compile_prefill=compile_prefill,
     )  # fmt: skip
     start = time.perf_counter()
     decoder.warm_up()  # untimed: every width's graph compiled and captured
@@ -168,6 +171,7 @@ def main() -> None:
         try:
             if decoder == "continuous":
                 attention = rest[0] if rest else "sdpa"
+                compile_prefill = False if rest[1:] == ["eager"] else None
                 replies, seconds, warm, padding = run_continuous(
                     model,
                     prompts,
@@ -177,6 +181,7 @@ def main() -> None:
                     attention,
                     width,
                     args.prefill_positions,
+                    compile_prefill,
                 )
             else:
                 replies, seconds, warm, padding = run_batched(

@@ -77,8 +77,11 @@ class ContinuousDecoder:
         compile: bool = False,
         check_every: int = 8,
         prefill_positions: int | None = None,
+        compile_prefill: bool | None = None,
     ):
-        """`prefill_positions`: padded positions per prefill forward (default 16 a row)."""
+        """`prefill_positions`: padded positions per prefill forward (default 16 a row);
+        `compile_prefill`: the prefill under torch.compile with dynamic shapes (default: as
+        `compile`)."""
         check_supported(model)
         self.prefill_budget = prefill_positions or PREFILL_POSITIONS_PER_ROW * rows
         self.model, self.rows, self.eos = model, rows, sorted(eos)
@@ -107,6 +110,12 @@ class ContinuousDecoder:
                   self.active, self.generated):  # fmt: skip
             torch._dynamo.mark_static_address(t)
         self.step, self.compiled = compiled_steps(self._step, compile), compile
+        # the prefill's shapes vary with every refill: compiled for dynamic shapes (no CUDA
+        # graph), so a forward is a few fused kernels instead of hundreds of eager ones
+        compile_prefill = compile if compile_prefill is None else compile_prefill
+        self.prefill, self.prefill_compiled = self._prefill_rows, compile_prefill
+        if compile_prefill:
+            self.prefill = torch.compile(self._prefill_rows, dynamic=True)
         self.steps_run = 0
         self.attended_columns = 0  # row x column reads of the cache, summed over steps
         self.prompt_tokens = self.prefilled_positions = 0  # real and padded, summed
@@ -158,16 +167,7 @@ class ContinuousDecoder:
         def attend(i: int, q, k, v):
             self.keys[i][self.row_index, :, pos] = k[:, :, 0]
             self.values[i][self.row_index, :, pos] = v[:, :, 0]
-            keys, values = self.keys[i][:, :, :live], self.values[i][:, :, :live]
-            if self.attention == "flex":
-                return _flex_decode(q, keys, values, pos)
-            # one query token: a group's query heads stand in for query positions, so the
-            # keys and values are read once per key/value head, with a per-row length mask
-            n, heads = q.shape[:2]
-            grouped = q.view(n, self.kv_heads, heads // self.kv_heads, self.head_dim)
-            allowed = (torch.arange(live, device=q.device)[None] <= pos[:, None])[:, None, None]
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=allowed)
-            return out.reshape(n, heads, 1, self.head_dim)
+            return self._attend_cache(i, q, pos, live)
 
         hidden = self._forward(self.tokens[:, None], pos[:, None], attend)
         new = self._sample(hidden[:, -1])
@@ -180,6 +180,25 @@ class ContinuousDecoder:
         self.tokens.copy_(torch.where(running, new, self.tokens))
         ended = torch.isin(new, self.eos_ids) | (self.counts >= self.limits)
         self.active.copy_(running & ~ended)
+
+    def _attend_cache(self, i: int, q: torch.Tensor, pos: torch.Tensor, live: int):
+        """Layer `i`'s attention of each row's one query token [n, heads, 1, dim] to its
+        cache columns <= pos[row], reading at most the first `live` columns."""
+        keys, values = self.keys[i][:, :, :live], self.values[i][:, :, :live]
+        # one query token: a group's query heads stand in for query positions, so the
+        # keys and values are read once per key/value head. Flex then runs its decoding
+        # kernel, which it keeps from grouped-query attention whose group is not a power of
+        # two (SmolLM2: 9 query heads on 3)
+        n, heads = q.shape[:2]
+        grouped = q.view(n, self.kv_heads, heads // self.kv_heads, self.head_dim)
+        if self.attention == "flex":
+            out = _flex_decode(grouped, keys, values, pos)
+        else:
+            allowed = torch.arange(live, device=q.device)[None] <= pos[:, None]
+            out = F.scaled_dot_product_attention(
+                grouped, keys, values, attn_mask=allowed[:, None, None]
+            )
+        return out.reshape(n, heads, 1, self.head_dim)
 
     def _prefill(self, slots: list[int], requests: list[Request]) -> None:
         """Each request's prompt into its row and its first token sampled: sorted by
@@ -202,9 +221,17 @@ class ContinuousDecoder:
         ids = torch.zeros(len(requests), longest, dtype=torch.long)
         for j, r in enumerate(requests):
             ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
-        ids = ids.to(self.device)
-        rows = torch.tensor(slots, device=self.device)
-        positions = torch.arange(longest, device=self.device)[None].expand(len(slots), -1)
+        per_row = torch.tensor(
+            [[s, len(r.prompt), r.max_new] for s, r in zip(slots, requests, strict=True)]
+        )
+        self.prefill(ids.to(self.device), per_row.to(self.device))
+
+    def _prefill_rows(self, ids: torch.Tensor, per_row: torch.Tensor) -> None:
+        """The forward of `_prefill_group` on the device: `ids` [n, longest] right-padded,
+        `per_row` [n, 3] = (row, prompt length, token budget)."""
+        rows, lengths, limits = per_row.unbind(1)
+        n, longest = ids.shape
+        positions = torch.arange(longest, device=self.device)[None].expand(n, -1)
 
         def attend(i: int, q, k, v):
             self.keys[i][rows, :, :longest] = k
@@ -212,10 +239,7 @@ class ContinuousDecoder:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
         hidden = self._forward(ids, positions, attend)
-        last = torch.tensor([len(r.prompt) - 1 for r in requests], device=self.device)
-        first = self._sample(hidden[torch.arange(len(slots), device=self.device), last])
-        lengths = torch.tensor([len(r.prompt) for r in requests], device=self.device)
-        limits = torch.tensor([r.max_new for r in requests], device=self.device)
+        first = self._sample(hidden[torch.arange(n, device=self.device), lengths - 1])
         self.tokens[rows] = first
         self.lengths[rows] = lengths
         self.counts[rows] = 1
@@ -226,12 +250,20 @@ class ContinuousDecoder:
     @torch.inference_mode()
     def warm_up(self, on_width: Callable[[str], None] | None = None) -> None:
         """Compile and capture the step of every attention width ahead of any timing (CUDA
-        graphs are recorded on a later call than the first); no row is live meanwhile.
-        Uncompiled, there is nothing to warm. `on_width` hears which width is compiling:
-        with "sdpa" one graph per bucket, minutes on a GPU (294 s for 10 widths on an H100)."""
+        graphs are recorded on a later call than the first), and the compiled prefill; no
+        row is live afterwards. Uncompiled, there is nothing to warm. `on_width` hears what
+        is compiling: with "sdpa" one step graph per width bucket, minutes on a GPU (294 s
+        for 10 widths on an H100)."""
+        if self.prefill_compiled:
+            if on_width is not None:
+                on_width("compiling the prefill")
+            for n, length in ((1, 9), (3, 17)):  # one row is a graph of its own
+                ids = torch.zeros(n, length, dtype=torch.long, device=self.device)
+                per_row = torch.tensor([[r, length, 2] for r in range(n)], device=self.device)
+                self.prefill(ids, per_row)
+        self.active.zero_()
         if not self.compiled:
             return
-        self.active.zero_()
         widths = [self.width] if self.attention == "flex" else range(BUCKET, self.width + 1, BUCKET)
         for n, live in enumerate(widths, 1):
             if on_width is not None:
@@ -313,10 +345,11 @@ def take_from(requests: list[Request]) -> Take:
 
 
 def _flex_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor):
-    """One query token per row attending columns <= pos[row], blocks past it skipped."""
+    """Every query of row b (its group's heads, [n, kv heads, group, dim]) attending that
+    row's columns <= pos[b], blocks past it skipped."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    n, width = q.shape[0], keys.shape[2]
+    n, queries, width = q.shape[0], q.shape[2], keys.shape[2]
     blocks = width // BUCKET
     kv_blocks = (pos // BUCKET + 1).to(torch.int32).view(n, 1, 1)
     kv_index = torch.arange(blocks, device=q.device, dtype=torch.int32).expand(n, 1, 1, blocks)
@@ -326,6 +359,6 @@ def _flex_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos:
 
     mask = BlockMask.from_kv_blocks(
         kv_blocks, kv_index.contiguous(), BLOCK_SIZE=BUCKET, mask_mod=mask_mod,
-        seq_lengths=(1, width),
+        seq_lengths=(queries, width),
     )  # fmt: skip
-    return flex_attention(q, keys, values, block_mask=mask, enable_gqa=True)
+    return flex_attention(q, keys, values, block_mask=mask)
