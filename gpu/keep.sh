@@ -5,13 +5,14 @@
 # one commit under kept/KIND/ and out of the tree in the next; gpu/kept.txt names
 # the first, and gpu/pieces.sh restores .carry/KIND from it. KIND is the carry
 # folder gpu/session.sh reads them from: r (rundata), e (export_sglang), s (the scale run's
-# ledger and config once its prompts were written: prompts.tgz).
+# ledger and config once its prompts were written: prompts.tgz), t (the scale run's data
+# stage part-way: rundata.tgz, unpacked like r).
 #   bash gpu/keep.sh r "data stage done, 15,704 conversations" /path/rundata.tgz.*
 set -euo pipefail
-[ $# -ge 3 ] || { echo "usage: bash gpu/keep.sh r|e|s NOTE FILE..." >&2; exit 2; }
+[ $# -ge 3 ] || { echo "usage: bash gpu/keep.sh r|e|s|t NOTE FILE..." >&2; exit 2; }
 kind=$1 note=$2
 shift 2
-case $kind in r | e | s) ;; *) echo "keep.sh: KIND must be r, e or s, not $kind" >&2; exit 2 ;; esac
+case $kind in r | e | s | t) ;; *) echo "keep.sh: KIND must be r, e, s or t, not $kind" >&2; exit 2 ;; esac
 files=()
 for f in "$@"; do files+=("$(realpath "$f")"); done
 cd "$(dirname "$0")/.."

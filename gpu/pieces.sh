@@ -6,8 +6,8 @@
 #   .carry/c  evaluation prompts: MT-bench question.jsonl, HumanEval.jsonl.gz
 #   .carry/d  sharegpt_all.jsonl.gz: every parseable record of the packaged ShareGPT file
 #             (17,671; the file ends mid-record), one JSON object a line
-#   .carry/r, .carry/e  an earlier session's run pieces, where gpu/kept.txt names the
-#             commit that kept them (gpu/keep.sh)
+#   .carry/r, .carry/e, .carry/s, .carry/t  an earlier session's run pieces, where
+#             gpu/kept.txt names the commit that kept them (gpu/keep.sh)
 # .carry/ is ignored by git (.gitignore). Run from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -6,7 +6,9 @@
 #                 gpu/pieces.sh builds .carry/a-d here); on a fresh machine, also
 #                 (in another setup call when over 64 MiB) an earlier call's pieces:
 #                 .carry/r (rundata.tgz.*), .carry/e (export_sglang.tgz.*), .carry/s
-#                 (prompts.tgz.*: the scale run with its prompts written, gpu/kept.txt)
+#                 (prompts.tgz.*: the scale run with its prompts written, gpu/kept.txt),
+#                 .carry/t (rundata.tgz.*: the scale run's data stage part-way; in place of
+#                 r and s)
 #   PHASE=bench   carry .carry/b (GGUF second half + wheels): trainer and extraction benches
 #   CFG (default configs/smollm2-h200.toml) and DATA_SOURCE (data.source) pick the run;
 #   the scale run: CFG=configs/smollm2-scale.toml DATA_SOURCE='["/tmp/c/sharegpt_all.jsonl.gz","self"]'
@@ -43,7 +45,7 @@ if [ "$PHASE" = setup ]; then
   [ -d .carry/a ] && cp .carry/a/gguf.part.aa /tmp/m/
   for d in c d; do [ -d .carry/$d ] && cp .carry/$d/* /tmp/c/; done
   mkdir -p /tmp/q
-  for p in r/rundata e/export_sglang s/prompts; do
+  for p in r/rundata t/rundata e/export_sglang s/prompts; do
     # removed once unpacked: carried paths stay on the machine for later calls, and a later
     # setup would unpack them again over another run (2026-12-06)
     if ls .carry/$p.tgz.* >/dev/null 2>&1; then
