@@ -46,10 +46,10 @@ def requests(n: int, seed: int = 0) -> list[Request]:
 
 
 @pytest.mark.parametrize(
-    ("compile", "attention", "compile_prefill"),
-    [(False, "sdpa", False), (True, "sdpa", False), (False, "flex", False), (False, "sdpa", True)],
+    ("compile", "attention"), [(False, "sdpa"), (True, "sdpa"), (False, "flex")]
 )
-def test_refilled_rows_give_generates_tokens(tiny, compile, attention, compile_prefill):
+def test_refilled_rows_give_generates_tokens(tiny, compile, attention):
+    """Compiled, the step and (dynamic shapes) the refills' prefill both are."""
     _, model = tiny
     work = requests(13)
     # a token that some replies emit part-way becomes the end of sequence, so rows end at
@@ -58,8 +58,8 @@ def test_refilled_rows_give_generates_tokens(tiny, compile, attention, compile_p
     eos = {next(t for t in probe[2][1:] if any(t not in p for p in probe))}
     expected = {r.id: generate_greedy(model, r.prompt, r.max_new, eos) for r in work}
     decoder = ContinuousDecoder(model, rows=4, width=64, max_new=24, eos=eos, compile=compile,
-                                attention=attention, check_every=3,
-                                compile_prefill=compile_prefill)  # fmt: skip
+                                attention=attention, check_every=3)  # fmt: skip
+    assert decoder.prefill_compiled == compile
     decoder.warm_up()
     got = {f.request.id: (f.tokens, f.stopped) for f in decoder.run(take_from(work))}
     assert {i: tokens for i, (tokens, _) in got.items()} == expected
