@@ -124,6 +124,9 @@ def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chat
     status = eagletrain("status", run).stdout
     assert f"written {written}, kept 24" in status and "prompts" in status
     assert all(f"{n} {why}" in status for why, n in dropped.items())
+    # the regenerating decoder's occupancy: 4 rows, busy a share of its steps
+    decoder = next(line for line in status.splitlines() if "decoder (last run)" in line)
+    assert "4 rows" in decoder and "rows busy" in decoder and " 0 steps" not in decoder
     assert detail["records_per_source"] == {"self": 24}
     assert detail["regenerated_by"].startswith("local:")
     coverage = detail["assistant_tokens"]  # what the replies cover, for the draft vocab

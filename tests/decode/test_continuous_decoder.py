@@ -64,6 +64,9 @@ def test_refilled_rows_give_generates_tokens(tiny, compile, attention):
     got = {f.request.id: (f.tokens, f.stopped) for f in decoder.run(take_from(work))}
     assert {i: tokens for i, (tokens, _) in got.items()} == expected
     assert {stopped for _, stopped in got.values()} == {True, False}
+    # 13 requests on 4 rows: every step had a row busy, and the tail left some empty
+    stats = decoder.stats()
+    assert stats["steps"] == decoder.steps_run > 0 and 0.25 <= stats["rows_busy"] < 1
     assert all(stopped == (tokens[-1] in eos) for tokens, stopped in got.values())
     # the cache is reused by another run, with other requests
     again = {f.request.id: f.tokens for f in decoder.run(take_from(work[::-1][:5]))}

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -71,6 +72,7 @@ class LocalGenerator:
         set_attention(model, cfg.attention)
         self._decoder: StaticBatchDecoder | None = None
         self._continuous: ContinuousDecoder | None = None
+        self.decoding_s = 0.0  # the continuous decoder's time from its first request on
         if cfg.decoder != "generate" and max_prompt_tokens is None:
             raise ValueError(f"decoder {cfg.decoder!r} needs max_prompt_tokens")
         on_gpu = self.device.type == "cuda"
@@ -171,11 +173,19 @@ class LocalGenerator:
             with self._sdpa_backends():
                 self._continuous.warm_up(self._note_from_thread)
                 self._note_from_thread("decoding")
+                started = time.perf_counter()
                 for done in self._continuous.run(self._take):
+                    self.decoding_s = time.perf_counter() - started
                     self._loop.call_soon_threadsafe(resolve, done.request.id, done, None)
         except Exception as err:  # the decoder failed: no conversation waits forever
             for future in list(self._waiting):
                 self._loop.call_soon_threadsafe(resolve, future, None, err)
+
+    def decoder_stats(self) -> dict[str, float] | None:
+        """The continuous decoder's occupancy in this process (None for the others)."""
+        if self._continuous is None:
+            return None
+        return {**self._continuous.stats(), "decoding_s": round(self.decoding_s, 1)}
 
     def _note_from_thread(self, what: str) -> None:
         if self.note is not None:

@@ -282,6 +282,9 @@ def _regenerate_and_tokenize(
             totals = {**run.ledger.regen_totals(), "requests": backend.requests}
             if getattr(backend, "memory_splits", 0):
                 totals["memory_splits"] = backend.memory_splits
+            stats = getattr(backend, "decoder_stats", lambda: None)()
+            if stats:  # this call's continuous decoder: did its rows find work?
+                totals["decoder"] = stats
             run.ledger.update_detail(STAGE, regeneration=totals)
         # a stop that came once every turn was sent ends nothing early
         if held_back or unfinished:

@@ -18,6 +18,7 @@ transformers' caches write every row of a batch at one position.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -117,6 +118,8 @@ class ContinuousDecoder:
         if compile_prefill:
             self.prefill = torch.compile(self._prefill_rows, dynamic=True)
         self.steps_run = 0
+        self.busy_row_steps = 0  # rows holding a request, summed over steps
+        self.idle_s = 0.0  # seconds every row sat empty, waiting for a request
         self.attended_columns = 0  # row x column reads of the cache, summed over steps
         self.prompt_tokens = self.prefilled_positions = 0  # real and padded, summed
 
@@ -284,7 +287,10 @@ class ContinuousDecoder:
         while True:
             free = [r for r in range(self.rows) if held[r] is None]
             idle = len(free) == self.rows
+            asked = time.perf_counter()
             fresh = [] if exhausted or not free else take(len(free), idle)
+            if idle:
+                self.idle_s += time.perf_counter() - asked
             if fresh is None:
                 exhausted, fresh = True, []
             if fresh:
@@ -297,6 +303,7 @@ class ContinuousDecoder:
                 if exhausted:
                     return
                 continue
+            self.busy_row_steps += (self.rows - held.count(None)) * self.check_every
             for _ in range(self.check_every):
                 live = self.width if self.attention == "flex" else self._live(max(reach))
                 self.step(live)
@@ -314,6 +321,17 @@ class ContinuousDecoder:
                 request, held[r], reach[r] = held[r], None, 0
                 tokens = tokens[:n]
                 yield Finished(request, tokens, bool(tokens) and tokens[-1] in self.eos)
+
+    def stats(self) -> dict[str, float]:
+        """What the decoder did so far: steps, the share of row-steps holding a request
+        (the rest: rows that found nothing to decode), seconds with every row empty."""
+        row_steps = self.rows * self.steps_run
+        return {
+            "rows": self.rows,
+            "steps": self.steps_run,
+            "rows_busy": round(self.busy_row_steps / row_steps, 4) if row_steps else 0.0,
+            "idle_s": round(self.idle_s, 1),
+        }
 
     def _live(self, longest: int) -> int:
         """The attention width for rows at most `longest` long: its bucket."""

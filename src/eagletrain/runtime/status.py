@@ -124,6 +124,7 @@ def stage_status(ledger: Ledger, stage: str, now: float | None = None) -> StageS
                 **totals,
                 "awaiting_chunk": ledger.regenerated_pending(),
                 "part_way": part_way,
+                "decoder": (row["detail"].get("regeneration") or {}).get("decoder"),
             }
 
     latest: dict[str, dict[str, Any]] = {}
@@ -237,6 +238,13 @@ def format_line(st: StageStatus) -> str:
             + (f"; {r['awaiting_chunk']} awaiting their chunk" if r["awaiting_chunk"] else "")
             + (f"; {r['part_way']} part-way" if r.get("part_way") else "")
         )
+        if r.get("decoder"):
+            d = r["decoder"]
+            line += (
+                f"\n{'':10}decoder (last run): {d['rows']} rows, {d['steps']} steps, rows busy "
+                f"{d['rows_busy']:.0%}, all rows empty {d['idle_s']:.1f} s of "
+                f"{d['decoding_s']:.1f} s decoding"
+            )
     if st.prompts:
         p = st.prompts
         dropped = ", ".join(f"{n} {why}" for why, n in sorted(p["dropped"].items()))
