@@ -8,7 +8,8 @@ Configurations `DECODER/ROWS[/ATTENTION]`:
   each step a CUDA graph, a batch runs until its longest reply ends;
 - `continuous/1024/sdpa`, `continuous/1024/flex`: decode/continuous.py, ROWS rows
   refilled as each reply ends, attention to the live width (sdpa) or to each row's own
-  blocks (flex); the refills' prefill compiled on a GPU, eager with a trailing `/eager`.
+  blocks (flex); the refills' prefill compiled on a GPU, eager with a trailing `/eager`,
+  its prompts packed end to end (not right-padded) with a trailing `/packed`.
 
 The KV-read limit: every generated token reads its whole context's keys and values
 (layers x KV heads x head dim x 2 x dtype bytes per position) and its share of the
@@ -89,12 +90,14 @@ def sync() -> None:
 
 
 def run_continuous(
-    model, prompts, max_tokens, eos, rows, attention, width, prefill, compile_prefill
+    model, prompts, max_tokens, eos, rows, attention, width, prefill, options
 ) -> tuple:
+    """`options`: "eager" (the prefill uncompiled), "packed" (the prefill packed)."""
     decoder = ContinuousDecoder(
         model, rows, width, max_tokens, eos, attention=attention,
         compile=next(model.parameters()).is_cuda, prefill_positions=prefill,
-        compile_prefill=compile_prefill,
+        compile_prefill=False if "eager" in options else None,
+        packed_prefill="packed" in options,
     )  # fmt: skip
     start = time.perf_counter()
     decoder.warm_up()  # untimed: every width's graph compiled and captured
@@ -171,7 +174,6 @@ def main() -> None:
         try:
             if decoder == "continuous":
                 attention = rest[0] if rest else "sdpa"
-                compile_prefill = False if rest[1:] == ["eager"] else None
                 replies, seconds, warm, padding = run_continuous(
                     model,
                     prompts,
@@ -181,7 +183,7 @@ def main() -> None:
                     attention,
                     width,
                     args.prefill_positions,
-                    compile_prefill,
+                    rest[1:],
                 )
             else:
                 replies, seconds, warm, padding = run_batched(

@@ -5,8 +5,9 @@ target's shape (SmolLM2-135M by default; no model file needed):
   lengths, against the same step with no attention read ("none": the cache write only)
   and with flex attention as it ran before 2026-12-06 ("flexgqa": query heads ungrouped);
 - one refill's prefill (REFILL prompts of synthetic lengths) and a whole run over synthetic
-  requests, split into prefill, steps and the host's share, with the prefill eager and
-  compiled for dynamic shapes;
+  requests, split into prefill, steps and the host's share, with the prefill eager or
+  compiled for dynamic shapes, right-padded or packed (and the packed refill's keys
+  against the padded one's);
 - a CUDA kernel table of the first configuration's step.
 
 Lengths: prompts uniform in --prompt-lengths, replies (their budgets; random weights never
@@ -214,21 +215,32 @@ def main() -> None:
     ]
     run = Table(
         title=f"refills and whole runs: {len(requests)} requests, {rows} rows, {attention}, "
-        f"the prefill eager and compiled (dynamic shapes)"
+        "the prefill eager or compiled (dynamic shapes), right-padded or packed"
     )
     for col in ("prefill", f"refill of {args.refill} ms", "prefill s", "steps s", "host s",
                 "steps", "tokens", "tok/s (synchronised)"):  # fmt: skip
         run.add_column(col, justify="right")
-    refill_tokens = sum(len(r.prompt) for r in requests[: args.refill])
-    for prefill in ("eager", "compiled"):
-        if prefill == "compiled":
-            decoder.prefill = torch.compile(decoder._prefill_rows, dynamic=True)
+    refill = list(range(args.refill)), requests[: args.refill]
+    refill_tokens = sum(len(r.prompt) for r in refill[1])
+    caches = {}
+    for compiled, packed in ((False, False), (False, True), (True, False), (True, True)):
+        name = f"{'compiled' if compiled else 'eager'} {'packed' if packed else 'padded'}"
+        decoder.packed_prefill = packed
+        decoder.prefill = decoder._prefill_packed if packed else decoder._prefill_rows
+        if compiled:
+            decoder.prefill = torch.compile(decoder.prefill, dynamic=True)
             decoder.prefill_compiled = True
-            decoder.warm_up()
-        for _ in range(3):  # the last is timed (the first ones meet compilation)
-            decoder.prefill_s = 0.0
-            decoder._prefill(list(range(args.refill)), requests[: args.refill])
+        try:
+            if compiled:
+                decoder.warm_up()  # the prefill's graphs for one row and for several
+            for _ in range(3):  # the last is timed (the first ones meet compilation)
+                decoder.prefill_s = 0.0
+                decoder._prefill(*refill)
+        except Exception as err:  # e.g. no compiled flex kernel for this device
+            print(f"run prefill={name} failed: {type(err).__name__}: {str(err)[:200]}")
+            continue
         refill_ms = decoder.prefill_s * 1000
+        caches[name] = torch.stack([k[: args.refill].float() for k in decoder.keys[:2]])
         decoder.prefill_s = decoder.step_s = 0.0
         decoder.steps_run = 0
         decoder.active.zero_()
@@ -238,11 +250,23 @@ def main() -> None:
         tokens = sum(len(f.tokens) for f in done)
         host = seconds - decoder.prefill_s - decoder.step_s
         parts = (decoder.prefill_s, decoder.step_s, host)
-        run.add_row(prefill, f"{refill_ms:.1f}", *(f"{x:.2f}" for x in parts),
+        run.add_row(name, f"{refill_ms:.1f}", *(f"{x:.2f}" for x in parts),
                     str(decoder.steps_run), str(tokens), f"{tokens / seconds:.0f}")  # fmt: skip
-        print(f"run prefill={prefill} refill_ms={refill_ms:.1f} ({refill_tokens} prompt tokens) "
+        print(f"run prefill={name} refill_ms={refill_ms:.1f} ({refill_tokens} prompt tokens) "
               f"prefill_s={decoder.prefill_s:.2f} steps_s={decoder.step_s:.2f} host_s={host:.2f} "
               f"tok_s={tokens / seconds:.0f}", flush=True)  # fmt: skip
+    # the same refill's keys (first two layers), packed against padded: the same up to
+    # rounding, where each prompt's positions hold keys (the rest of a row is stale)
+    both = [m for m in ("compiled", "eager") if {f"{m} packed", f"{m} padded"} <= set(caches)]
+    if both:
+        lengths = [len(r.prompt) for r in refill[1]]
+        padded, packed = caches[f"{both[0]} padded"], caches[f"{both[0]} packed"]
+        held = torch.zeros_like(padded[..., :1], dtype=torch.bool)
+        for row, n in enumerate(lengths):
+            held[:, row, :, :n] = True
+        gap = (packed - padded).abs().masked_fill(~held, 0)
+        print(f"{both[0]} packed prefill against padded: keys max |diff| {gap.max():.4f} "
+              f"(keys max |value| {padded.abs().max():.2f})")  # fmt: skip
     Console(width=160).print(run)
     best = max(rates, key=rates.get)
     print(f"best: {best}; step_speedup={rates[best] / rates[first]:.2f} over {first}")

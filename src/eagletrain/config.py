@@ -80,6 +80,9 @@ class RegenerateConfig(ServerConfig):
     # decoder "continuous": "sdpa" attends the widest live row's length; "flex" skips each
     # row's cache blocks past its own length (flex_attention; GPUs)
     continuous_attention: Literal["sdpa", "flex"] = "sdpa"
+    # decoder "continuous": a refill's prompts prefilled end to end in one sequence, each
+    # attending only itself, instead of right-padded to the longest of their group
+    packed_prefill: bool = False
     # local mode, decoder "generate": transformers' KV cache ("static" pre-allocates, for
     # GPUs; generated uncompiled: each batch has its own shapes)
     kv_cache: Literal["dynamic", "static"] = "dynamic"

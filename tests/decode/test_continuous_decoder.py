@@ -46,10 +46,12 @@ def requests(n: int, seed: int = 0) -> list[Request]:
 
 
 @pytest.mark.parametrize(
-    ("compile", "attention"), [(False, "sdpa"), (True, "sdpa"), (False, "flex")]
+    ("compile", "attention", "packed"),
+    [(False, "sdpa", False), (True, "sdpa", False), (False, "flex", False), (False, "sdpa", True)],
 )
-def test_refilled_rows_give_generates_tokens(tiny, compile, attention):
-    """Compiled, the step and (dynamic shapes) the refills' prefill both are."""
+def test_refilled_rows_give_generates_tokens(tiny, compile, attention, packed):
+    """Compiled, the step and (dynamic shapes) the refills' prefill both are; packed, a
+    refill's prompts go end to end through one forward."""
     _, model = tiny
     work = requests(13)
     # a token that some replies emit part-way becomes the end of sequence, so rows end at
@@ -58,7 +60,8 @@ def test_refilled_rows_give_generates_tokens(tiny, compile, attention):
     eos = {next(t for t in probe[2][1:] if any(t not in p for p in probe))}
     expected = {r.id: generate_greedy(model, r.prompt, r.max_new, eos) for r in work}
     decoder = ContinuousDecoder(model, rows=4, width=64, max_new=24, eos=eos, compile=compile,
-                                attention=attention, check_every=3)  # fmt: skip
+                                attention=attention, check_every=3,
+                                packed_prefill=packed)  # fmt: skip
     assert decoder.prefill_compiled == compile
     decoder.warm_up()
     got = {f.request.id: (f.tokens, f.stopped) for f in decoder.run(take_from(work))}
@@ -67,6 +70,8 @@ def test_refilled_rows_give_generates_tokens(tiny, compile, attention):
     # 13 requests on 4 rows: every step had a row busy, and the tail left some empty
     stats = decoder.stats()
     assert stats["steps"] == decoder.steps_run > 0 and 0.25 <= stats["rows_busy"] < 1
+    if packed:  # no padded position was computed
+        assert decoder.prefilled_positions == decoder.prompt_tokens
     assert all(stopped == (tokens[-1] in eos) for tokens, stopped in got.values())
     # the cache is reused by another run, with other requests
     again = {f.request.id: f.tokens for f in decoder.run(take_from(work[::-1][:5]))}
@@ -154,7 +159,8 @@ def test_top_p_samples_only_the_nucleus():
     assert seen == nucleus and 1 < len(nucleus) < 50
 
 
-def test_regeneration_through_the_continuous_decoder_equals_generate(tiny):
+@pytest.mark.parametrize("packed", [False, True])
+def test_regeneration_through_the_continuous_decoder_equals_generate(tiny, packed):
     """LocalGenerator with decoder "continuous": conversations ask concurrently, rows are
     refilled as replies end, and every completion equals generate's."""
     import asyncio
@@ -166,7 +172,7 @@ def test_regeneration_through_the_continuous_decoder_equals_generate(tiny):
     chats = [[{"role": "user", "content": "w " * n}] for n in (1, 9, 4, 20, 33, 2, 7)]
     cfg = RegenerateConfig(max_tokens=20, batch_size=3)
     expected = LocalGenerator(model, tokenizer, cfg).generate(chats)
-    continuous = cfg.model_copy(update={"decoder": "continuous"})
+    continuous = cfg.model_copy(update={"decoder": "continuous", "packed_prefill": packed})
 
     async def ask_all():
         async with LocalGenerator(model, tokenizer, continuous, max_prompt_tokens=200) as gen:

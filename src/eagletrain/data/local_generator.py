@@ -94,6 +94,7 @@ class LocalGenerator:
                 temperature=cfg.temperature,
                 attention=cfg.continuous_attention,
                 compile=on_gpu,
+                packed_prefill=cfg.packed_prefill,
             )
 
     def _sdpa_backends(self) -> contextlib.AbstractContextManager:

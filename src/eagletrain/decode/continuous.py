@@ -79,10 +79,13 @@ class ContinuousDecoder:
         check_every: int = 8,
         prefill_positions: int | None = None,
         compile_prefill: bool | None = None,
+        packed_prefill: bool = False,
     ):
-        """`prefill_positions`: padded positions per prefill forward (default 16 a row);
+        """`prefill_positions`: positions per prefill forward (default 16 a row);
         `compile_prefill`: the prefill under torch.compile with dynamic shapes (default: as
-        `compile`)."""
+        `compile`); `packed_prefill`: a refill's prompts end to end in one sequence, each
+        attending only itself (flex attention), instead of right-padded to the longest of
+        their group."""
         check_supported(model)
         self.prefill_budget = prefill_positions or PREFILL_POSITIONS_PER_ROW * rows
         self.model, self.rows, self.eos = model, rows, sorted(eos)
@@ -114,9 +117,10 @@ class ContinuousDecoder:
         # the prefill's shapes vary with every refill: compiled for dynamic shapes (no CUDA
         # graph), so a forward is a few fused kernels instead of hundreds of eager ones
         compile_prefill = compile if compile_prefill is None else compile_prefill
-        self.prefill, self.prefill_compiled = self._prefill_rows, compile_prefill
+        self.packed_prefill, self.prefill_compiled = packed_prefill, compile_prefill
+        self.prefill = self._prefill_packed if packed_prefill else self._prefill_rows
         if compile_prefill:
-            self.prefill = torch.compile(self._prefill_rows, dynamic=True)
+            self.prefill = torch.compile(self.prefill, dynamic=True)
         self.steps_run = 0
         self.busy_row_steps = 0  # rows holding a request, summed over steps
         self.idle_s = 0.0  # seconds every row sat empty, waiting for a request
@@ -204,30 +208,68 @@ class ContinuousDecoder:
         return out.reshape(n, heads, 1, self.head_dim)
 
     def _prefill(self, slots: list[int], requests: list[Request]) -> None:
-        """Each request's prompt into its row and its first token sampled: sorted by
-        length, in forwards of at most `prefill_budget` padded positions."""
-        order = sorted(range(len(requests)), key=lambda j: len(requests[j].prompt))
+        """Each request's prompt into its row and its first token sampled, in forwards of
+        at most `prefill_budget` positions: packed end to end, or sorted by length and
+        right-padded."""
+        order = range(len(requests))
+        if not self.packed_prefill:
+            order = sorted(order, key=lambda j: len(requests[j].prompt))
         group: list[int] = []
+        positions = 0
         for j in order:
-            if group and (len(group) + 1) * len(requests[j].prompt) > self.prefill_budget:
+            length = len(requests[j].prompt)
+            positions = positions + length if self.packed_prefill else (len(group) + 1) * length
+            if group and positions > self.prefill_budget:
                 self._prefill_group([slots[g] for g in group], [requests[g] for g in group])
-                group = []
+                group, positions = [], length
             group.append(j)
         self._prefill_group([slots[g] for g in group], [requests[g] for g in group])
 
     def _prefill_group(self, slots: list[int], requests: list[Request]) -> None:
-        """One right-padded forward (pads come after the real tokens and are never
-        attended)."""
-        longest = max(len(r.prompt) for r in requests)
-        self.prompt_tokens += sum(len(r.prompt) for r in requests)
+        """One forward: the prompts end to end (packed), or right-padded (pads come after
+        the real tokens and are never attended)."""
+        lengths = [len(r.prompt) for r in requests]
+        self.prompt_tokens += sum(lengths)
+        per_row = torch.tensor(
+            [[s, n, r.max_new] for s, n, r in zip(slots, lengths, requests, strict=True)]
+        )
+        if self.packed_prefill:
+            self.prefilled_positions += sum(lengths)
+            ids = torch.tensor([t for r in requests for t in r.prompt])[None]
+            self.prefill(ids.to(self.device), per_row.to(self.device))
+            return
+        longest = max(lengths)
         self.prefilled_positions += longest * len(requests)
         ids = torch.zeros(len(requests), longest, dtype=torch.long)
         for j, r in enumerate(requests):
             ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
-        per_row = torch.tensor(
-            [[s, len(r.prompt), r.max_new] for s, r in zip(slots, requests, strict=True)]
-        )
         self.prefill(ids.to(self.device), per_row.to(self.device))
+
+    def _prefill_packed(self, ids: torch.Tensor, per_row: torch.Tensor) -> None:
+        """The forward of `_prefill_group`, packed: `ids` [1, total] the prompts end to
+        end, `per_row` [n, 3] = (row, prompt length, token budget) in the same order."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        rows, lengths, limits = per_row.unbind(1)
+        n, total = per_row.shape[0], ids.shape[1]
+        prompt = torch.repeat_interleave(torch.arange(n, device=self.device), lengths, 0,
+                                         output_size=total)  # fmt: skip
+        ends = lengths.cumsum(0)
+        positions = torch.arange(total, device=self.device) - (ends - lengths)[prompt]
+        token_rows = rows[prompt]
+
+        def same_prompt_causal(b, h, q_idx, kv_idx):
+            return (prompt[q_idx] == prompt[kv_idx]) & (kv_idx <= q_idx)
+
+        mask = create_block_mask(same_prompt_causal, None, None, total, total, self.device)
+
+        def attend(i: int, q, k, v):
+            self.keys[i][token_rows, :, positions] = k[0].transpose(0, 1)
+            self.values[i][token_rows, :, positions] = v[0].transpose(0, 1)
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+        hidden = self._forward(ids, positions[None], attend)
+        self._first_tokens(hidden[0, ends - 1], rows, lengths, limits)
 
     def _prefill_rows(self, ids: torch.Tensor, per_row: torch.Tensor) -> None:
         """The forward of `_prefill_group` on the device: `ids` [n, longest] right-padded,
@@ -242,7 +284,13 @@ class ContinuousDecoder:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
         hidden = self._forward(ids, positions, attend)
-        first = self._sample(hidden[torch.arange(n, device=self.device), lengths - 1])
+        self._first_tokens(hidden[torch.arange(n, device=self.device), lengths - 1], rows,
+                           lengths, limits)  # fmt: skip
+
+    def _first_tokens(self, hidden, rows, lengths, limits) -> None:
+        """Each prefilled row's first token sampled from its prompt's last hidden state,
+        and the row's state set for decoding."""
+        first = self._sample(hidden)
         self.tokens[rows] = first
         self.lengths[rows] = lengths
         self.counts[rows] = 1
@@ -261,9 +309,8 @@ class ContinuousDecoder:
             if on_width is not None:
                 on_width("compiling the prefill")
             for n, length in ((1, 9), (3, 17)):  # one row is a graph of its own
-                ids = torch.zeros(n, length, dtype=torch.long, device=self.device)
-                per_row = torch.tensor([[r, length, 2] for r in range(n)], device=self.device)
-                self.prefill(ids, per_row)
+                self._prefill_group(list(range(n)), [Request(None, [0] * length, 2)] * n)
+            self.prompt_tokens = self.prefilled_positions = 0
         self.active.zero_()
         if not self.compiled:
             return
