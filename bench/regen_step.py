@@ -4,6 +4,7 @@ target's shape (SmolLM2-135M by default; no model file needed):
 - one decoding step per configuration `ATTENTION/ROWS/WIDTH`, rows at synthetic cache
   lengths, against the same step with no attention read ("none": the cache write only)
   and with flex attention as it ran before 2026-12-06 ("flexgqa": query heads ungrouped);
+  `flex+BLOCK_N=64+num_warps=8/1024/1280` passes kernel options to flex's decoding kernel;
 - one refill's prefill (REFILL prompts of synthetic lengths) and a whole run over synthetic
   requests, split into prefill, steps and the host's share, with the prefill eager or
   compiled for dynamic shapes, right-padded or packed (and the packed refill's keys
@@ -21,6 +22,7 @@ configuration against the first, then `step_tok_s=<best>` last.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -102,10 +104,13 @@ def uniform(bounds: str, count: int, generator: torch.Generator) -> torch.Tensor
 def decoder_for(model, spec: str, max_new: int, compile: bool, first: bool) -> ContinuousDecoder:
     """The first configuration's decoder is timed: the whole run reuses its compiled step."""
     attention, rows, width = spec.split("/")
+    attention, *tuning = attention.split("+")  # flex+BLOCK_N=64+num_warps=8: kernel options
+    options = {k: int(v) for k, v in (t.split("=") for t in tuning)} or None
     kinds = {"none": NoAttention, "flexgqa": UngroupedFlex}
     kind = kinds.get(attention, TimedDecoder if first else ContinuousDecoder)
     attention = "flex" if attention in kinds else attention
-    return kind(model, int(rows), int(width), max_new, set(), attention=attention, compile=compile)
+    return kind(model, int(rows), int(width), max_new, set(), attention=attention, compile=compile,
+                flex_options=options)  # fmt: skip
 
 
 def step_ms(decoder: ContinuousDecoder, lengths: torch.Tensor, steps: int) -> tuple[float, int]:
@@ -147,65 +152,10 @@ def kernel_table(decoder: ContinuousDecoder, live: int, steps: int) -> None:
     Console(width=160).print(table)
 
 
-@torch.inference_mode()
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--configs", default="flex/1024/1280,none/1024/1280,sdpa/1024/1280")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--prompt-lengths", default="20:500")
-    parser.add_argument("--reply-lengths", default="20:256")
-    parser.add_argument("--refill", type=int, default=64, help="prompts in one timed refill")
-    parser.add_argument("--requests", type=int, default=4096, help="requests of the whole run")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--profile-steps", type=int, default=10)
-    args = parser.parse_args()
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    compile = device.type == "cuda"
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(smollm2_shaped(args.layers)).to(device, getattr(torch, args.dtype))
-    model.eval()
-    gen = torch.Generator().manual_seed(0)
-    replies_max = int(args.reply_lengths.split(":")[1])
-
-    lengths_note = f"prompt {args.prompt_lengths} + reply {args.reply_lengths}"
-    steps = Table(
-        title=f"one decoding step, {args.layers} layers, {args.dtype} on {device}, {lengths_note}"
-    )
-    for col in ("attention / rows / width", "attended width", "step ms", "tok/s", "vs first"):
-        steps.add_column(col, justify="right")
-    rates: dict[str, float] = {}
-    first = timed = None
-    for spec in args.configs.split(","):
-        rows = int(spec.split("/")[1])
-        lengths = (
-            uniform(args.prompt_lengths, rows, gen) + uniform(args.reply_lengths, rows, gen) // 2
-        )
-        try:
-            decoder = decoder_for(model, spec, replies_max, compile, first=timed is None)
-            width = min(decoder.width - args.steps - 8, int(lengths.max()))
-            ms, live = step_ms(decoder, lengths.clamp(max=width), args.steps)
-        except Exception as err:  # one configuration's failure leaves the others' rows
-            print(f"row {spec} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
-            continue
-        rates[spec] = rows / ms * 1000
-        first = first or spec
-        steps.add_row(spec, str(live), f"{ms:.2f}", f"{rates[spec]:.0f}",
-                      f"{rates[spec] / rates[first]:.2f}x")  # fmt: skip
-        print(f"row {spec} step_ms={ms:.2f} tok_s={rates[spec]:.0f}", flush=True)
-        if spec == first:
-            timed = decoder
-            if args.profile_steps:
-                kernel_table(decoder, live, args.profile_steps)
-        del decoder
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    Console(width=160).print(steps)
-
-    # one refill, then a whole run, on the first configuration's decoder
-    attention, rows, width = first.split("/")
-    decoder = timed
+def prefill_runs(decoder: TimedDecoder, args: argparse.Namespace, gen: torch.Generator) -> None:
+    """One refill, then a whole run, per prefill variant, on the first configuration's
+    decoder; prints their table."""
+    rows, attention = decoder.rows, decoder.attention
     decoder.warm_up()
     prompts = uniform(args.prompt_lengths, args.requests, gen)
     budgets = uniform(args.reply_lengths, args.requests, gen)
@@ -268,7 +218,69 @@ def main() -> None:
         print(f"{both[0]} packed prefill against padded: keys max |diff| {gap.max():.4f} "
               f"(keys max |value| {padded.abs().max():.2f})")  # fmt: skip
     Console(width=160).print(run)
-    best = max(rates, key=rates.get)
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="flex/1024/1280,none/1024/1280,sdpa/1024/1280")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--prompt-lengths", default="20:500")
+    parser.add_argument("--reply-lengths", default="20:256")
+    parser.add_argument("--refill", type=int, default=64, help="prompts in one timed refill")
+    parser.add_argument("--requests", type=int, default=4096, help="requests of the whole run")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--profile-steps", type=int, default=10)
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    compile = device.type == "cuda"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(smollm2_shaped(args.layers)).to(device, getattr(torch, args.dtype))
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    replies_max = int(args.reply_lengths.split(":")[1])
+
+    lengths_note = f"prompt {args.prompt_lengths} + reply {args.reply_lengths}"
+    steps = Table(
+        title=f"one decoding step, {args.layers} layers, {args.dtype} on {device}, {lengths_note}"
+    )
+    for col in ("attention / rows / width", "attended width", "step ms", "tok/s", "vs first"):
+        steps.add_column(col, justify="right")
+    rates: dict[str, float] = {}
+    first = None
+    for spec in args.configs.split(","):
+        rows = int(spec.split("/")[1])
+        lengths = (
+            uniform(args.prompt_lengths, rows, gen) + uniform(args.reply_lengths, rows, gen) // 2
+        )
+        try:
+            decoder = decoder_for(model, spec, replies_max, compile, first=first is None)
+            width = min(decoder.width - args.steps - 8, int(lengths.max()))
+            ms, live = step_ms(decoder, lengths.clamp(max=width), args.steps)
+        except Exception as err:  # one configuration's failure leaves the others' rows
+            print(f"row {spec} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            continue
+        rates[spec] = rows / ms * 1000
+        first = first or spec
+        steps.add_row(spec, str(live), f"{ms:.2f}", f"{rates[spec]:.0f}",
+                      f"{rates[spec] / rates[first]:.2f}x")  # fmt: skip
+        print(f"row {spec} step_ms={ms:.2f} tok_s={rates[spec]:.0f}", flush=True)
+        if spec == first:
+            if args.profile_steps:
+                kernel_table(decoder, live, args.profile_steps)
+            prefill_runs(decoder, args, gen)
+        # compiled steps hold their decoder (and its cache) until dynamo lets them go
+        del decoder
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    Console(width=160).print(steps)
+
+    real = [spec for spec in rates if not spec.startswith("none/")]  # "none" reads no cache
+    best = max(real, key=rates.get)
     print(f"best: {best}; step_speedup={rates[best] / rates[first]:.2f} over {first}")
     print(f"step_tok_s={rates[best]:.0f}")
 

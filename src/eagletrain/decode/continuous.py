@@ -80,17 +80,20 @@ class ContinuousDecoder:
         prefill_positions: int | None = None,
         compile_prefill: bool | None = None,
         packed_prefill: bool = False,
+        flex_options: dict[str, int] | None = None,
     ):
         """`prefill_positions`: positions per prefill forward (default 16 a row);
         `compile_prefill`: the prefill under torch.compile with dynamic shapes (default: as
         `compile`); `packed_prefill`: a refill's prompts end to end in one sequence, each
         attending only itself (flex attention), instead of right-padded to the longest of
-        their group."""
+        their group; `flex_options`: flex attention's kernel options for the step (e.g.
+        BLOCK_N, num_warps, SPLIT_KV), to tune its decoding kernel."""
         check_supported(model)
         self.prefill_budget = prefill_positions or PREFILL_POSITIONS_PER_ROW * rows
         self.model, self.rows, self.eos = model, rows, sorted(eos)
         self.width = math.ceil(width / BUCKET) * BUCKET
         self.temperature, self.top_p, self.attention = temperature, top_p, attention
+        self.flex_options = flex_options
         self.check_every = check_every
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -199,7 +202,7 @@ class ContinuousDecoder:
         n, heads = q.shape[:2]
         grouped = q.view(n, self.kv_heads, heads // self.kv_heads, self.head_dim)
         if self.attention == "flex":
-            out = _flex_decode(grouped, keys, values, pos)
+            out = _flex_decode(grouped, keys, values, pos, self.flex_options)
         else:
             allowed = torch.arange(live, device=q.device)[None] <= pos[:, None]
             out = F.scaled_dot_product_attention(
@@ -409,7 +412,13 @@ def take_from(requests: list[Request]) -> Take:
     return take
 
 
-def _flex_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor):
+def _flex_decode(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    options: dict[str, int] | None = None,
+):
     """Every query of row b (its group's heads, [n, kv heads, group, dim]) attending that
     row's columns <= pos[b], blocks past it skipped."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -426,4 +435,4 @@ def _flex_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos:
         kv_blocks, kv_index.contiguous(), BLOCK_SIZE=BUCKET, mask_mod=mask_mod,
         seq_lengths=(queries, width),
     )  # fmt: skip
-    return flex_attention(q, keys, values, block_mask=mask)
+    return flex_attention(q, keys, values, block_mask=mask, kernel_options=options)
