@@ -1,6 +1,6 @@
 """Which draft vocabulary keeps out-of-vocabulary cycles under a goal, measured before
-training. The run's assistant-token counts (every data chunk, held-out samples included)
-give each coverage target's "auto" size and its vocabulary; the target's own greedy
+training. The run's assistant-token counts (its training samples, as the trainer counts
+them) give each coverage target's "auto" size and its vocabulary; the target's own greedy
 replies to an eval set (transformers' generate, one prompt at a time: the tokens a
 lossless speculative decode emits) give the share of emitted tokens outside each
 vocabulary. Every such token ends a decoding cycle (no draft can propose it), so the
@@ -24,33 +24,29 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from safetensors import safe_open
 
-from eagletrain.config import TargetConfig
+from eagletrain.config import TargetConfig, load_config
+from eagletrain.data.samples import DataSamples
 from eagletrain.data.token_coverage import count_tokens, size_for_coverage
 from eagletrain.evaluate.prompts import chat_prompts
+from eagletrain.export import load_exported
+from eagletrain.runtime.ledger import Ledger
+from eagletrain.runtime.rundir import CONFIG_NAME, Run
 from eagletrain.target import load_target, load_tokenizer, resolve_target, target_eos
 from eagletrain.train.draft_vocab import build_draft_vocab
 
 GOAL = 0.02
 
 
-def chunk_tokens(run_dir: Path):
-    """The assistant (loss-masked) tokens of every data chunk."""
-    for path in sorted((run_dir / "data").glob("chunk-*.safetensors")):
-        with safe_open(path, "pt") as f:
-            yield f.get_tensor("input_ids")[f.get_tensor("loss_mask").bool()]
-
-
-def exported_vocab(export: Path) -> torch.Tensor:
-    """Target ids of an exported drafter's draft vocabulary (EAGLE-3's d2t offsets)."""
-    for path in sorted(export.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            names = f.keys()
-            if "d2t" in names:
-                d2t = f.get_tensor("d2t")
-                return d2t + torch.arange(len(d2t))
-    raise SystemExit(f"{export}: no d2t in its safetensors files")
+def training_tokens(run_dir: Path):
+    """The assistant (loss-masked) tokens of the run's training samples (held-out ones
+    left out, as the trainer counts them)."""
+    run = Run(run_dir, load_config(run_dir / CONFIG_NAME), Ledger(run_dir, create=False))
+    samples = DataSamples(run)
+    for item in run.ledger.items("data", "done"):
+        if item.split != "heldout":
+            ids, mask = samples.get(item.key)
+            yield ids[mask.bool()]
 
 
 @torch.inference_mode()
@@ -85,14 +81,14 @@ def main() -> None:
     tokenizer = load_tokenizer(source)
     eos = target_eos(model, tokenizer)
     vocab_size = model.config.vocab_size
-    counts = count_tokens(chunk_tokens(args.run_dir), vocab_size)
-    print(f"{int(counts.sum())} assistant tokens counted in {args.run_dir / 'data'}")
+    counts = count_tokens(training_tokens(args.run_dir), vocab_size)
+    print(f"{int(counts.sum())} assistant tokens of training samples in {args.run_dir}")
     vocabs: dict[str, torch.Tensor] = {}
     for share in (float(c) for c in args.coverages.split(",")):
         size = vocab_size if share >= 1 else size_for_coverage(counts, share)
         vocabs[f"{share:g}"] = build_draft_vocab(counts, size)
     if args.vocab is not None:
-        vocabs[f"export {args.vocab.name}"] = exported_vocab(args.vocab)
+        vocabs[f"export {args.vocab.name}"] = load_exported(args.vocab).target_ids()
 
     table = Table(title=f"out-of-vocab estimate from the target's greedy replies, tau {args.tau}")
     for col in ("dataset", "vocabulary", "size", "train-data coverage", "emitted tokens",
