@@ -95,6 +95,7 @@ class LocalGenerator:
                 attention=cfg.continuous_attention,
                 compile=on_gpu,
                 packed_prefill=cfg.packed_prefill,
+                compile_prefill=on_gpu and cfg.compile_prefill,
             )
 
     def _sdpa_backends(self) -> contextlib.AbstractContextManager:
