@@ -30,6 +30,8 @@
 #   PHASE=train   extract (skipped with train.online), train under torchrun until TRAIN_S
 #                 seconds (the next call resumes), export once training is complete;
 #                 ALLOW_PARTIAL=1 to go on with what an unfinished data stage holds
+#                 (EXPORT_PARTIAL=1: export the last checkpoint of an unfinished run); pieces
+#                 of the export past one call's 64 MB come back with PHASE=fetch
 #   PHASE=trainbench bench/train_online.py on the run in /tmp/q (VARIANTS, STEPS): the
 #                 online trainer's batch and step times, and a kernel table
 #   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
@@ -138,11 +140,21 @@ train)
   python3 -m eagletrain extract $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -5 | tee $OUT/train.log
   # -k: torchrun once sat out a call after its stop (2026-12-06): killed 20 s after the stop
   timeout -k 20 -s INT "${TRAIN_S:-540}" torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
-  python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" 2>&1 | grep -v "━" | tail -4 | tee -a $OUT/train.log
+  # EXPORT_PARTIAL=1: export the last checkpoint of an unfinished training (a last call)
+  python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" ${EXPORT_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -4 | tee -a $OUT/train.log
   ledger_times train.log
   cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json /tmp/q/train/profile-*.txt $OUT/ 2>/dev/null
-  # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come back
-  tar -C /tmp/q -czf - export/sglang | split -b 15M - $OUT/export_sglang.tgz. ;;
+  # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come
+  # back; a call brings back 64 MB, so pieces past the fourth wait for PHASE=fetch
+  if [ -d /tmp/q/export/sglang ]; then
+    rm -rf /tmp/pieces && mkdir -p /tmp/pieces
+    tar -C /tmp/q -czf - export/sglang | split -b 15M - /tmp/pieces/export_sglang.tgz.
+    ls /tmp/pieces/* | head -4 | xargs -I{} mv {} $OUT/
+    ls /tmp/pieces | tee -a $OUT/train.log
+  fi ;;
+fetch)
+  # what an earlier call left waiting in /tmp/pieces (over one call's 64 MB)
+  ls /tmp/pieces/* | head -4 | xargs -I{} mv {} $OUT/ ;;
 trainbench)
   # bench/train_online.py on the run's data (a kept data stage: .carry/r): the target's
   # forward padded against packed, the decoder layer compiled, the TTT block masks
