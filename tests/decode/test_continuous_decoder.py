@@ -182,3 +182,31 @@ def test_regeneration_through_the_continuous_decoder_equals_generate(tiny, packe
     assert [(c.token_ids, c.finish_reason, c.text) for c in got] == [
         (c.token_ids, c.finish_reason, c.text) for c in expected
     ]
+
+
+def test_a_failed_conversation_stops_the_decoding_thread_at_once(tiny):
+    """Leaving the generator on an error (a second SIGINT is one) drops the rows in flight
+    and ends the decoding thread before returning, instead of decoding them to their
+    budgets in a thread the exiting process would abort."""
+    import asyncio
+
+    from eagletrain.config import RegenerateConfig
+    from eagletrain.data.local_generator import LocalGenerator
+
+    tokenizer, model = tiny
+    budget = 3000
+    cfg = RegenerateConfig(max_tokens=budget, batch_size=3, decoder="continuous")
+    generator = LocalGenerator(model, tokenizer, cfg, max_prompt_tokens=64)
+
+    async def fail_mid_decoding():
+        async with generator as gen:
+            asks = [gen.complete([{"role": "user", "content": "w " * n}]) for n in (1, 5, 9)]
+            pending = [asyncio.ensure_future(ask) for ask in asks]
+            while gen._continuous.steps_run < 16:
+                await asyncio.sleep(0.01)
+            raise RuntimeError(f"a conversation failed ({len(pending)} in flight)")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(fail_mid_decoding())
+    assert not generator._regen_thread.is_alive()
+    assert generator._continuous.steps_run < budget

@@ -28,6 +28,7 @@ from eagletrain.decode.packed_gqa import set_attention
 from eagletrain.target import target_eos
 
 T = TypeVar("T")
+ABORT_WAIT_S = 10.0  # how long a stop waits for the decoding thread's current steps
 
 
 def length_grouped(
@@ -116,15 +117,26 @@ class LocalGenerator:
             self._feed: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
             self._waiting: set[asyncio.Future] = set()
             self._ending = False
-            threading.Thread(target=self._decode_continuously, name="regen", daemon=True).start()
+            self._abort = threading.Event()
+            self._regen_thread = threading.Thread(
+                target=self._decode_continuously, name="regen", daemon=True
+            )
+            self._regen_thread.start()
             return self
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regen")
         self._worker = asyncio.create_task(self._serve())
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if self._continuous is not None:
             self._feed.put(None)  # the decoder finishes its rows and ends
+            if exc_type is not None:
+                # stopped at once (a second SIGINT) or failed: the rows in flight are
+                # dropped, and the thread ends before the process does: one still inside
+                # a kernel at exit aborts it ("terminate called without an active
+                # exception"). A warm-up (compiling) is not waited out.
+                self._abort.set()
+                self._regen_thread.join(timeout=ABORT_WAIT_S)
         if self._worker is not None:
             self._worker.cancel()
         if self._thread is not None:
@@ -176,7 +188,7 @@ class LocalGenerator:
                 self._continuous.warm_up(self._note_from_thread)
                 self._note_from_thread("decoding")
                 started = time.perf_counter()
-                for done in self._continuous.run(self._take):
+                for done in self._continuous.run(self._take, self._abort.is_set):
                     self.decoding_s = time.perf_counter() - started
                     self._loop.call_soon_threadsafe(resolve, done.request.id, done, None)
         except Exception as err:  # the decoder failed: no conversation waits forever

@@ -325,16 +325,17 @@ class ContinuousDecoder:
                 self.step(live)
 
     @torch.inference_mode()
-    def run(self, take: Take) -> Iterator[Finished]:
+    def run(self, take: Take, stop: Callable[[], bool] | None = None) -> Iterator[Finished]:
         """Decode requests as `take(free rows, wait)` hands them over, yielding each as it
         finishes. `take` returns up to that many requests (blocking only when `wait`: no
-        row is busy), or None once there will be no more. A request whose prompt and
-        budget exceed the cache is a ValueError."""
+        row is busy), or None once there will be no more. `stop()` true ends the run at
+        once, the rows in flight dropped. A request whose prompt and budget exceed the
+        cache is a ValueError."""
         self.active.zero_()
         held: list[Request | None] = [None] * self.rows
         reach = [0] * self.rows  # an upper bound of each row's cache length, on the host
         exhausted = False
-        while True:
+        while stop is None or not stop():
             free = [r for r in range(self.rows) if held[r] is None]
             idle = len(free) == self.rows
             asked = time.perf_counter()
