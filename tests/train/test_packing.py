@@ -28,6 +28,32 @@ def test_pack_rows_places_every_sample_once_within_the_row_length():
         pack_rows([3, 70], 64)
 
 
+def first_fit_by_scan(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """The plain first-fit decreasing (every row scanned), as pack_rows was until 2026-12-06:
+    its rows must not change, or a resumed run would see other batches."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
+        if r is None:
+            rows.append([i])
+            room.append(row_tokens - lengths[i])
+        else:
+            rows[r].append(i)
+            room[r] -= lengths[i]
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("n", "low", "high", "row"),
+    [(1, 1, 9, 16), (3000, 1, 1024, 1024), (5000, 20, 300, 1024), (777, 1, 64, 64)],
+)
+def test_pack_rows_gives_the_rows_of_a_plain_first_fit_scan(n, low, high, row):
+    rng = random.Random(n)
+    lengths = [rng.randint(low, high) for _ in range(n)]
+    assert pack_rows(lengths, row) == first_fit_by_scan(lengths, row)
+
+
 def random_samples(lengths: list[int], seed: int) -> list[tuple[torch.Tensor, ...]]:
     """(aux, last, ids, loss mask, target distribution, in draft vocab) per sample."""
     torch.manual_seed(seed)

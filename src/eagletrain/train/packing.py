@@ -18,20 +18,32 @@ class SampleTooLong(ValueError):
 
 def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
     """Sample indices per row, first-fit decreasing (deterministic: ties by index). Every
-    row's samples sum to at most row_tokens; a longer sample is an error of the caller's."""
+    row's samples sum to at most row_tokens; a longer sample is an error of the caller's.
+
+    The first row with room is found in a max-tree over the rows' free room, O(log rows)
+    a sample: a scan of every row was quadratic (86 s for 74.8k samples on 2 cores)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    leaves = 1
+    while leaves < max(len(lengths), 1):
+        leaves *= 2
+    room = [-1] * (2 * leaves)  # room[leaves + r]: row r's free tokens; inner nodes: max
     rows: list[list[int]] = []
-    room: list[int] = []
     for i in order:
         n = lengths[i]
         if n > row_tokens:
             raise SampleTooLong(i, n, row_tokens)
-        for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(i)
-                room[r] -= n
-                break
+        if room[1] >= n:  # the leftmost row with room: descend towards it
+            node = 1
+            while node < leaves:
+                node = 2 * node if room[2 * node] >= n else 2 * node + 1
+            rows[node - leaves].append(i)
+            free = room[node] - n
         else:
+            node = leaves + len(rows)
             rows.append([i])
-            room.append(row_tokens - n)
+            free = row_tokens - n
+        room[node] = free
+        while node > 1:
+            node //= 2
+            room[node] = max(room[2 * node], room[2 * node + 1])
     return rows
