@@ -20,6 +20,8 @@
 #                 data stage back as $OUT/rundata.tgz.* (config, ledger, data shards; copy
 #                 them into .carry/r here for the next session: a run directory is
 #                 relocatable, tests/test_kill_resume.py)
+#                 WARM_TRAIN=S: meanwhile a copy of the run trains for at most S seconds,
+#                 to its third step, so that the training call's compile is cached
 #   PHASE=prompts the data stage until its prompts (data.source "self") are written, then
 #                 stopped: the ledger holding them comes back as $OUT/prompts.tgz.*
 #   PHASE=regen   bench/regen_local.py: completion tokens/s per local decoder
@@ -121,13 +123,34 @@ data)
   # at DATA_S from the call's start a first SIGINT: no new turn, the turns in flight finish
   # (a batch or two); DRAIN_S later a second: stop now (finished turns are kept). Then the
   # run's data stage comes back
+  # WARM_TRAIN=S: the trainer's first step compiles for ~280 s on a cold machine (H100,
+  # 2026-12-06); a copy of the run so far trains beside the data stage (after its decoder
+  # has its memory) for at most S seconds, so the training call finds the kernels cached
+  [ -n "${WARM_TRAIN:-}" ] && { rm -rf /tmp/qwarm; cp -r /tmp/q /tmp/qwarm; }
   python3 -m eagletrain data $CFG --run-dir /tmp/q "${SETS[@]}" > /tmp/data_call.log 2>&1 &
   pid=$!
+  if [ -n "${WARM_TRAIN:-}" ]; then
+    ( sleep 60; exec timeout -k 10 -s INT "$WARM_TRAIN" torchrun --nproc_per_node 1 \
+      --master_port 29611 -m eagletrain train $CFG --run-dir /tmp/qwarm "${SETS[@]}" \
+      --allow-partial ) > /tmp/warm_train.log 2>&1 &
+    warm=$!
+  fi
   left=$(( ${DATA_S:-420} - (SECONDS - start) ))
   ( sleep $(( left > 30 ? left : 30 )); kill -INT $pid; sleep "${DRAIN_S:-45}"; kill -INT $pid ) >/dev/null 2>&1 &
   timer=$!
   wait $pid
   pkill -P $timer; kill $timer 2>/dev/null
+  if [ -n "${WARM_TRAIN:-}" ]; then
+    # until its first steps are logged (every graph of a step compiled), then stopped
+    until [ "$(wc -l < /tmp/qwarm/train/metrics.jsonl 2>/dev/null || echo 0)" -ge 3 ]; do
+      kill -0 $warm 2>/dev/null || break
+      sleep 5
+    done
+    pkill -INT -f "run-dir /tmp/qwarm"; sleep 15; pkill -KILL -f "run-dir /tmp/qwarm"
+    echo "warm-up training: $(wc -l < /tmp/qwarm/train/metrics.jsonl 2>/dev/null) steps" \
+      "logged, first at $(head -c 80 /tmp/qwarm/train/metrics.jsonl 2>/dev/null)" | tee $OUT/warm_train.log
+    rm -rf /tmp/qwarm
+  fi
   grep -v "━\|Converting" /tmp/data_call.log | tail -5 | tee $OUT/data.log
   ledger_times data.log
   # PIECES=ledger: the ledger and config only (the written prompts; no data chunks)
