@@ -134,6 +134,21 @@ def test_changing_a_started_stage_config_is_refused(tiny_config: Path, tmp_path:
     assert "data.max_length" in result.stderr
 
 
+def test_how_the_regenerating_decoder_runs_may_change_in_a_started_run(
+    tiny_config: Path, tmp_path: Path
+):
+    """The decoder's way of running (compiled prefill, packed prefill, attention kernel) is
+    not what the dataset holds: a later call may change it (on the H100 a data call was
+    refused for compile_prefill and lost its turn, 2026-12-06)."""
+    run = tmp_path / "run"
+    assert eagletrain("data", tiny_config, "--run-dir", run).returncode == 0
+    how = ["data.regen.compile_prefill=false", "data.regen.packed_prefill=true",
+           "data.regen.continuous_attention=flex"]  # fmt: skip
+    sets = [a for h in how for a in ("--set", h)]
+    result = eagletrain("data", tiny_config, "--run-dir", run, *sets)
+    assert result.returncode == 0, result.stderr
+
+
 def test_target_dtype_is_fixed_once_a_stage_ran_the_target(tiny_config: Path, tmp_path: Path):
     """The tiny data stage only tokenizes, so the dtype may still change before extraction;
     once hidden states were made at one dtype, training at another is refused."""
