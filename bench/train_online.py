@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eagletrain.config import load_config
-from eagletrain.drafter import _packed_ttt_block_mask
+from eagletrain.drafter import _ttt_block_mask
 from eagletrain.runtime.ledger import Ledger
 from eagletrain.runtime.rundir import CONFIG_NAME, Run
 from eagletrain.target import pick_device, resolve_target
@@ -107,7 +107,8 @@ def block_mask_seconds(segments: torch.Tensor, steps: int, compiled: bool) -> fl
 
     def build_all() -> None:
         for k in range(steps):
-            _packed_ttt_block_mask(segments, t * (k + 1), compiled)
+            step = torch.tensor(k, device=segments.device)
+            _ttt_block_mask(step, t, steps, segments, segments.device, compiled)
 
     build_all()  # compiles (compiled) or warms the allocator
     start = sync(segments.device)

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,46 +41,74 @@ def _flex_attention():
     import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    # one compiled kernel per (TTT step, sequence length): more than dynamo's default 8,
-    # past which it would fall back to the slow unfused path
+    # one compiled kernel per shape (a TTT step's keys in their own shape, where the caller
+    # gives no unroll length; each sequence length): more than dynamo's default 8, past
+    # which it would fall back to the slow unfused path
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.cache
-def _ttt_block_mask(t: int, keys: int, device: torch.device):
-    """Queries at index q see step 0's keys at indices <= q and, in each later step's block
-    of t keys, the key at index q only."""
+class TTTKeys(NamedTuple):
+    """Earlier TTT steps' keys and values in one layout for flex attention: step j's at
+    indices j*t..(j+1)*t of `keys` / `values` [B, KV heads, (slots - 1) * t, D], zeros in
+    the slots of steps not yet run, the attending step's own keys appended as the last
+    slot; `step` (0-dim tensor) is the attending step. With the slots fixed at the unroll's
+    length every step has the same shapes, so the compiled decoder layer and flex build one
+    kernel for all steps, not one per step (7 cost ~280 s to compile on an H100)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    step: torch.Tensor
+
+
+def ttt_keys(earlier: list[KV], slots: int, like: torch.Tensor) -> TTTKeys:
+    """`earlier` (step 0 first) laid out in `slots` slots shaped, typed and placed as `like`
+    (one step's keys, [B, KV heads, t, D]); the attending step's own keys make the last."""
+    b, heads, t, d = like.shape
+    pad = like.new_zeros(b, heads, (slots - 1 - len(earlier)) * t, d)
+    keys = torch.cat([*(k.to(like.dtype) for k, _ in earlier), pad], dim=2)
+    values = torch.cat([*(v.to(like.dtype) for _, v in earlier), pad], dim=2)
+    return TTTKeys(keys, values, torch.tensor(len(earlier), device=like.device))
+
+
+def _ttt_block_mask(
+    step: torch.Tensor,
+    t: int,
+    slots: int,
+    segments: torch.Tensor | None,
+    device: torch.device,
+    compiled: bool = False,
+):
+    """Queries at index q see step 0's keys at indices <= q (within the query's sample with
+    `segments` [B, t], packed rows) and, in each later step's slot up to the attending
+    `step`'s own (the last slot), the key at index q only. Step 0's own keys sit in the last
+    slot. `compiled` builds it with create_block_mask's own compiled path (bench/
+    train_online.py times both)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def mask_mod(b, h, q, kv):
-        return torch.where(kv < t, kv <= q, (kv % t) == q)
-
-    return create_block_mask(mask_mod, None, None, t, keys, device=device)
-
-
-def _packed_ttt_block_mask(segments: torch.Tensor, keys: int, compiled: bool = False):
-    """The TTT mask of packed rows: step 0's keys also only within the query's sample
-    (`segments` [B, t]: which sample of the row each index holds). `compiled` builds it
-    with create_block_mask's own compiled path (bench/train_online.py times both)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, t = segments.shape
+    last = slots - 1
 
     def mask_mod(b, h, q, kv):
-        prefix = (kv <= q) & (segments[b, kv % t] == segments[b, q])
-        return torch.where(kv < t, prefix, (kv % t) == q)
+        slot, index = kv // t, kv % t
+        own = slot == last
+        prefix = torch.where(step == 0, own, slot == 0) & (index <= q)
+        if segments is not None:
+            prefix = prefix & (segments[b, index] == segments[b, q])
+        chain = (step > 0) & (((slot >= 1) & (slot < step)) | own) & (index == q)
+        return prefix | chain
 
-    return create_block_mask(mask_mod, b, None, t, keys, device=segments.device, _compile=compiled)
+    rows = None if segments is None else segments.shape[0]
+    return create_block_mask(mask_mod, rows, None, t, slots * t, device=device, _compile=compiled)
 
 
 def compile_decoder_layer(drafter: Eagle3Drafter) -> None:
     """torch.compile the decoder layer in place: RMSNorms, rotary, SiLU-and-mul and the
     residual adds fuse around the GEMMs (in eager they were a third of a training step's
-    time). One graph per TTT step (step k sees k earlier keys), so the recompile limit is
-    raised as for flex_attention."""
+    time). One graph for every TTT step where the trainer passes the unroll's length
+    (`TTTKeys`); the recompile limit is raised as for flex_attention for the callers that
+    do not."""
     import torch._dynamo
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -170,38 +198,42 @@ class Eagle3Attention(nn.Module):
         b, _, t, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
+    def uses_flex(self, x: torch.Tensor) -> bool:
+        return self.ttt_attention == "flex" or (self.ttt_attention == "auto" and x.is_cuda)
+
     def forward_ttt(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        earlier: list[KV],
+        earlier: list[KV] | TTTKeys,
         segments: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
         """Training-time test attention: (output, this step's keys/values). `earlier` holds
-        the keys/values of earlier steps (step 0 first) and is not changed, so a step can be
-        recomputed (activation checkpointing). The query of step k at index i sees step 0's
-        keys at indices <= i (the target-feature prefix) and steps 1..k at index i only.
-        With `segments` (packed rows, [B, t]) the prefix is also cut at sample boundaries."""
+        the keys/values of earlier steps (step 0 first; as `TTTKeys` on the flex path) and
+        is not changed, so a step can be recomputed (activation checkpointing). The query of
+        step k at index i sees step 0's keys at indices <= i (the target-feature prefix) and
+        steps 1..k at index i only. With `segments` (packed rows, [B, t]) the prefix is also
+        cut at sample boundaries."""
         q, k, v = self._qkv(x, cos, sin)
-        past = [*earlier, (k, v)]
-        if self.ttt_attention == "flex" or (self.ttt_attention == "auto" and x.is_cuda):
+        if self.uses_flex(x):
             t = x.shape[1]
-            keys = torch.cat([kj for kj, _ in past], dim=2)
-            values = torch.cat([vj for _, vj in past], dim=2)
-            if segments is None:
-                mask = _ttt_block_mask(t, keys.shape[2], x.device)
-            else:
-                mask = _packed_ttt_block_mask(segments, keys.shape[2])
+            if not isinstance(earlier, TTTKeys):  # no padding: slots for these steps only
+                earlier = ttt_keys(earlier, len(earlier) + 1, k)
+            keys = torch.cat([earlier.keys, k], dim=2)
+            values = torch.cat([earlier.values, v], dim=2)
+            slots = keys.shape[2] // t
             out = _flex_attention()(
                 q,
                 keys,
                 values,
-                block_mask=mask,
+                block_mask=_ttt_block_mask(earlier.step, t, slots, segments, x.device),
                 scale=1.0 / math.sqrt(self.head_dim),
                 enable_gqa=True,
             )
             return self._out(out), (k, v)
+        assert isinstance(earlier, list), "TTTKeys are for flex attention"
+        past = [*earlier, (k, v)]
         rep = self.num_heads // self.num_kv_heads
         k0, v0 = repeat_kv(past[0][0], rep), repeat_kv(past[0][1], rep)
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -363,11 +395,21 @@ class Eagle3Drafter(nn.Module):
         positions: torch.Tensor,
         earlier: list[KV],
         segments: torch.Tensor | None = None,
+        steps: int | None = None,
     ) -> tuple[torch.Tensor, KV]:
         """One TTT step: (hidden, this step's keys/values); `earlier` is left unchanged.
-        `segments` marks the samples of packed rows (None: one sample per row)."""
+        `segments` marks the samples of packed rows (None: one sample per row). `steps`, the
+        unroll's length: flex attention then sees every step in the same shapes."""
         cos, sin = self.rope(hidden, positions)
         kv: list[KV] = []
+        attn = self.midlayer.self_attn
+        if steps is not None and attn.uses_flex(hidden):
+            b, t = hidden.shape[:2]
+            device = hidden.device.type
+            autocast = torch.is_autocast_enabled(device)
+            dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+            like = hidden.new_empty(b, attn.num_kv_heads, t, attn.head_dim, dtype=dtype)
+            earlier = ttt_keys(earlier, steps, like)  # type: ignore[assignment]
 
         def attend(attn: Eagle3Attention, x: torch.Tensor) -> torch.Tensor:
             out, step_kv = attn.forward_ttt(x, cos, sin, earlier, segments)

@@ -146,7 +146,7 @@ def ttt_forward(
 
     def decoder_step(hidden: torch.Tensor, tokens: torch.Tensor, k: int, *flat: torch.Tensor):
         earlier = list(zip(flat[0::2], flat[1::2], strict=True))
-        return drafter.step_ttt(hidden, embed(tokens), positions + k, earlier, segments)
+        return drafter.step_ttt(hidden, embed(tokens), positions + k, earlier, segments, steps)
 
     for k in range(steps):
         tokens = shift(input_ids, 1 + k)
