@@ -34,6 +34,7 @@
 #                 ALLOW_PARTIAL=1 to go on with what an unfinished data stage holds
 #                 (EXPORT_PARTIAL=1: export the last checkpoint of an unfinished run); pieces
 #                 of the export past one call's 64 MB come back with PHASE=fetch
+#   PHASE=firststep the trainer's cold start on a copy of the run: seconds to its first steps
 #   PHASE=trainbench bench/train_online.py on the run in /tmp/q (VARIANTS, STEPS): the
 #                 online trainer's batch and step times, and a kernel table
 #   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
@@ -142,7 +143,7 @@ data)
   pkill -P $timer; kill $timer 2>/dev/null
   if [ -n "${WARM_TRAIN:-}" ]; then
     # until its first steps are logged (every graph of a step compiled), then stopped
-    until [ "$(wc -l < /tmp/qwarm/train/metrics.jsonl 2>/dev/null || echo 0)" -ge 3 ]; do
+    until [ "$(cat /tmp/qwarm/train/metrics.jsonl 2>/dev/null | wc -l)" -ge 3 ]; do
       kill -0 $warm 2>/dev/null || break
       sleep 5
     done
@@ -153,10 +154,30 @@ data)
   fi
   grep -v "━\|Converting" /tmp/data_call.log | tail -5 | tee $OUT/data.log
   ledger_times data.log
-  # PIECES=ledger: the ledger and config only (the written prompts; no data chunks)
+  # PIECES=ledger: the ledger and config only (the written prompts; no data chunks);
+  # PIECES=slim: everything, the ledger without the texts of the conversations no longer
+  # pending (their tokens are in the chunks: what .carry/t keeps). Pieces past the fourth
+  # (one call brings back 64 MB) wait in /tmp/pieces for PHASE=fetch
   what="config.toml ledger.sqlite data"
   [ "${PIECES:-}" = ledger ] && what="config.toml ledger.sqlite"
-  [ "${PIECES:-}" = none ] || tar -C /tmp/q -czf - $what | split -b 15M - $OUT/rundata.tgz. ;;
+  if [ "${PIECES:-}" = slim ]; then
+    rm -rf /tmp/slim && mkdir -p /tmp/slim && cp /tmp/q/config.toml /tmp/slim/
+    python3 - <<'PY'
+import sqlite3
+src, dst = sqlite3.connect("/tmp/q/ledger.sqlite"), sqlite3.connect("/tmp/slim/ledger.sqlite")
+src.backup(dst)
+dst.execute("DELETE FROM regenerated WHERE key IN "
+            "(SELECT key FROM items WHERE stage='data' AND state != 'pending')")
+dst.commit()
+dst.execute("VACUUM")
+PY
+    tar -C /tmp/slim -czf - config.toml ledger.sqlite -C /tmp/q data | split -b 15M - $OUT/rundata.tgz.
+  elif [ "${PIECES:-}" != none ]; then
+    tar -C /tmp/q -czf - $what | split -b 15M - $OUT/rundata.tgz.
+  fi
+  mkdir -p /tmp/pieces
+  ls $OUT/rundata.tgz.* 2>/dev/null | tail -n +5 | xargs -r mv -t /tmp/pieces/
+  ls -l $OUT/rundata.tgz.* /tmp/pieces/ 2>/dev/null | tee -a $OUT/data.log ;;
 train)
   # extract (skipped by the stage itself when train.online), then train until TRAIN_S
   # seconds: a stop saves the step in flight and the next call resumes; export when done
@@ -175,6 +196,23 @@ train)
     ls /tmp/pieces/* | head -4 | xargs -I{} mv {} $OUT/
     ls /tmp/pieces | tee -a $OUT/train.log
   fi ;;
+firststep)
+  # the trainer's cold start on a copy of the run (--allow-partial, a part-way data stage
+  # will do): seconds from the loop's start to each of its first steps, i.e. the compile of
+  # every graph of a step; stopped after its third step or FIRST_S seconds
+  rm -rf /tmp/qfirst && cp -r /tmp/q /tmp/qfirst
+  timeout -k 10 -s INT "${FIRST_S:-300}" torchrun --nproc_per_node 1 --master_port 29612 \
+    -m eagletrain train $CFG --run-dir /tmp/qfirst "${SETS[@]}" --allow-partial > /tmp/first.log 2>&1 &
+  first=$!
+  until [ "$(cat /tmp/qfirst/train/metrics.jsonl 2>/dev/null | wc -l)" -ge 3 ]; do
+    kill -0 $first 2>/dev/null || break
+    sleep 2
+  done
+  pkill -INT -f "run-dir /tmp/qfirst"; sleep 10; pkill -KILL -f "run-dir /tmp/qfirst"
+  grep -v "━" /tmp/first.log | tail -4 | tee $OUT/firststep.log
+  python3 -c 'import json,sys; [print("step", r["step"], "at", round(r["time"], 1), "s after the loop began") for r in map(json.loads, open(sys.argv[1]))]' \
+    /tmp/qfirst/train/metrics.jsonl 2>&1 | head -5 | tee -a $OUT/firststep.log
+  rm -rf /tmp/qfirst ;;
 fetch)
   # what an earlier call left waiting in /tmp/pieces (over one call's 64 MB)
   ls /tmp/pieces/* | head -4 | xargs -I{} mv {} $OUT/ ;;
