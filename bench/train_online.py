@@ -107,7 +107,7 @@ def block_mask_seconds(segments: torch.Tensor, steps: int, compiled: bool) -> fl
 
     def build_all() -> None:
         for k in range(steps):
-            step = torch.tensor(k, device=segments.device)
+            step = torch.full((), k, dtype=torch.long, device=segments.device)
             _ttt_block_mask(step, t, steps, segments, segments.device, compiled)
 
     build_all()  # compiles (compiled) or warms the allocator

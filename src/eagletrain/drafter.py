@@ -70,7 +70,9 @@ def ttt_keys(earlier: list[KV], slots: int, like: torch.Tensor) -> TTTKeys:
     pad = like.new_zeros(b, heads, (slots - 1 - len(earlier)) * t, d)
     keys = torch.cat([*(k.to(like.dtype) for k, _ in earlier), pad], dim=2)
     values = torch.cat([*(v.to(like.dtype) for _, v in earlier), pad], dim=2)
-    return TTTKeys(keys, values, torch.tensor(len(earlier), device=like.device))
+    # a fill on the device: torch.tensor() would copy from the host and wait for the GPU
+    step = torch.full((), len(earlier), dtype=torch.long, device=like.device)
+    return TTTKeys(keys, values, step)
 
 
 def _ttt_block_mask(
