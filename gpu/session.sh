@@ -73,6 +73,15 @@ SETS=(--set target.model="$M" --set data.source="${DATA_SOURCE:-/tmp/c/$DATA_FIL
 read -r -a EXTRA <<< "${EXTRA_SETS:-}"
 SETS+=("${EXTRA[@]}")
 CFG=${CFG:-configs/smollm2-h200.toml}
+# a trainer on the run copy $1 (process $2): waited for until its third step is logged
+# (every graph of a step compiled) or it exits, then stopped ($3 s between INT and KILL)
+stop_after_three_steps() {
+  until [ "$(cat "$1/train/metrics.jsonl" 2>/dev/null | wc -l)" -ge 3 ]; do
+    kill -0 "$2" 2>/dev/null || break
+    sleep 2
+  done
+  pkill -INT -f "run-dir $1"; sleep "$3"; pkill -KILL -f "run-dir $1"
+}
 ledger_times() {
   python3 -m eagletrain status /tmp/q | tee -a $OUT/$1
   python3 - <<'PY' | tee -a $OUT/$1
@@ -142,12 +151,7 @@ data)
   wait $pid
   pkill -P $timer; kill $timer 2>/dev/null
   if [ -n "${WARM_TRAIN:-}" ]; then
-    # until its first steps are logged (every graph of a step compiled), then stopped
-    until [ "$(cat /tmp/qwarm/train/metrics.jsonl 2>/dev/null | wc -l)" -ge 3 ]; do
-      kill -0 $warm 2>/dev/null || break
-      sleep 5
-    done
-    pkill -INT -f "run-dir /tmp/qwarm"; sleep 15; pkill -KILL -f "run-dir /tmp/qwarm"
+    stop_after_three_steps /tmp/qwarm $warm 15
     echo "warm-up training: $(wc -l < /tmp/qwarm/train/metrics.jsonl 2>/dev/null) steps" \
       "logged, first at $(head -c 80 /tmp/qwarm/train/metrics.jsonl 2>/dev/null)" | tee $OUT/warm_train.log
     rm -rf /tmp/qwarm
@@ -203,12 +207,7 @@ firststep)
   rm -rf /tmp/qfirst && cp -r /tmp/q /tmp/qfirst
   timeout -k 10 -s INT "${FIRST_S:-300}" torchrun --nproc_per_node 1 --master_port 29612 \
     -m eagletrain train $CFG --run-dir /tmp/qfirst "${SETS[@]}" --allow-partial > /tmp/first.log 2>&1 &
-  first=$!
-  until [ "$(cat /tmp/qfirst/train/metrics.jsonl 2>/dev/null | wc -l)" -ge 3 ]; do
-    kill -0 $first 2>/dev/null || break
-    sleep 2
-  done
-  pkill -INT -f "run-dir /tmp/qfirst"; sleep 10; pkill -KILL -f "run-dir /tmp/qfirst"
+  stop_after_three_steps /tmp/qfirst $! 10
   grep -v "━" /tmp/first.log | tail -4 | tee $OUT/firststep.log
   python3 -c 'import json,sys; [print("step", r["step"], "at", round(r["time"], 1), "s after the loop began") for r in map(json.loads, open(sys.argv[1]))]' \
     /tmp/qfirst/train/metrics.jsonl 2>&1 | head -5 | tee -a $OUT/firststep.log

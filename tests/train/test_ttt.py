@@ -110,15 +110,21 @@ def test_fused_head_loss_gradients_equal_plain_autograd():
     torch.testing.assert_close(gw, pw)
 
 
+def random_inputs(b: int, t: int, dtype=torch.float32):
+    """(aux, ids, loss mask, target distribution over 20 draft ids, all in vocab) for the
+    tiny drafter, drawn in that order from the current seed."""
+    aux = torch.randn(b, t, 3 * 32, dtype=dtype)
+    ids = torch.randint(0, 50, (b, t))
+    mask = torch.rand(b, t) < 0.8
+    p = torch.softmax(torch.randn(b, t, 20, dtype=dtype), -1)
+    return aux, ids, mask, p, torch.ones(b, t, dtype=torch.bool)
+
+
 def test_activation_recompute_gives_the_same_gradients():
     drafter, embed = tiny_drafter(seed=7)
     torch.manual_seed(8)
     b, t, steps = 2, 9, 3
-    aux = torch.randn(b, t, 3 * 32, dtype=torch.float64)
-    ids = torch.randint(0, 50, (b, t))
-    mask = torch.rand(b, t) < 0.8
-    p = torch.softmax(torch.randn(b, t, 20, dtype=torch.float64), -1)
-    in_vocab = torch.ones(b, t, dtype=torch.bool)
+    aux, ids, mask, p, in_vocab = random_inputs(b, t, torch.float64)
     grads = []
     for recompute in (False, True):
         drafter.zero_grad(set_to_none=True)
@@ -135,11 +141,7 @@ def test_compiled_decoder_layer_gives_the_same_loss_and_gradients():
 
     torch.manual_seed(9)
     b, t, steps = 2, 8, 3
-    aux = torch.randn(b, t, 3 * 32)
-    ids = torch.randint(0, 50, (b, t))
-    mask = torch.rand(b, t) < 0.8
-    p = torch.softmax(torch.randn(b, t, 20), -1)
-    in_vocab = torch.ones(b, t, dtype=torch.bool)
+    aux, ids, mask, p, in_vocab = random_inputs(b, t)
     results = []
     for compiled in (False, True):
         drafter, embed = tiny_drafter(seed=10)
@@ -168,11 +170,7 @@ def test_flex_ttt_attention_equals_dense_and_compiles_one_graph_for_every_step()
 
     torch.manual_seed(11)
     b, t, steps = 2, 16, 4
-    aux = torch.randn(b, t, 3 * 32)
-    ids = torch.randint(0, 50, (b, t))
-    mask = torch.rand(b, t) < 0.8
-    p = torch.softmax(torch.randn(b, t, 20), -1)
-    in_vocab = torch.ones(b, t, dtype=torch.bool)
+    aux, ids, mask, p, in_vocab = random_inputs(b, t)
     # two samples in the first row, three in the second
     segments = torch.tensor([[1] * 9 + [2] * 7, [1] * 4 + [2] * 6 + [3] * 6])
     starts = torch.stack([torch.searchsorted(row, row) for row in segments])
