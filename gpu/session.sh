@@ -32,7 +32,7 @@
 #   PHASE=train   extract (skipped with train.online), train under torchrun until TRAIN_S
 #                 seconds (the next call resumes), export once training is complete;
 #                 ALLOW_PARTIAL=1 to go on with what an unfinished data stage holds
-#                 (EXPORT_PARTIAL=1: export the last checkpoint of an unfinished run); pieces
+#                 (EXPORT_PARTIAL=1: export an unfinished run's newest weights); pieces
 #                 of the export past one call's 64 MB come back with PHASE=fetch
 #   PHASE=firststep the trainer's cold start on a copy of the run: seconds to its first steps
 #   PHASE=trainbench bench/train_online.py on the run in /tmp/q (VARIANTS, STEPS): the
@@ -188,8 +188,10 @@ train)
   python3 -m eagletrain extract $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -5 | tee $OUT/train.log
   # -k: torchrun once sat out a call after its stop (2026-12-06): killed 20 s after the stop
   timeout -k 20 -s INT "${TRAIN_S:-540}" torchrun --nproc_per_node 1 -m eagletrain train $CFG --run-dir /tmp/q "${SETS[@]}" ${ALLOW_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -8 | tee -a $OUT/train.log
-  # EXPORT_PARTIAL=1: export the last checkpoint of an unfinished training (a last call)
-  python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" ${EXPORT_PARTIAL:+--allow-partial} 2>&1 | grep -v "━" | tail -4 | tee -a $OUT/train.log
+  # EXPORT_PARTIAL=1: export an unfinished training's newest weights (a last call; its
+  # best held-out checkpoint can be an epoch older: 1,886 steps on 2026-12-07)
+  python3 -m eagletrain export $CFG --run-dir /tmp/q "${SETS[@]}" \
+    ${EXPORT_PARTIAL:+--allow-partial --set export.weights=latest} 2>&1 | grep -v "━" | tail -5 | tee -a $OUT/train.log
   ledger_times train.log
   cp /tmp/q/train/metrics.jsonl /tmp/q/train/checkpoint/train_summary.json /tmp/q/train/profile-*.txt $OUT/ 2>/dev/null
   # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come

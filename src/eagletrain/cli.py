@@ -189,6 +189,8 @@ def _stage_command(stage: str, sharded: bool):
             from eagletrain.export import serve_commands
 
             typer.echo(f"export: {result} ({', '.join(p.name for p in sorted(result.iterdir()))})")
+            if weights := _exported_weights(r):
+                typer.echo(weights)
             for line in serve_commands(result, _served_target(r), r.config.eval.draft_steps):
                 typer.echo(f"serve with {line}")
         elif stage == "eval":
@@ -200,6 +202,17 @@ def _stage_command(stage: str, sharded: bool):
     command.__doc__ = f"Run the {stage} stage (resumes; skips if already verified complete)."
     command.__name__ = stage
     return _guarded(command)
+
+
+def _exported_weights(r) -> str | None:
+    w = r.ledger.completion("export")["detail"].get("weights")  # None: exported before 12-07
+    if w is None:
+        return None
+    how = "best held-out evaluation" if w["evaluated"] else "not evaluated"
+    line = f"weights: train/{w['directory']} (step {w['step']}, {how})"
+    if w["newest_step"] > w["step"]:
+        line += f"; step {w['newest_step']} is saved too: --set export.weights=latest takes it"
+    return line
 
 
 for _stage in STAGES:

@@ -223,6 +223,10 @@ class TrainConfig(Section):
 
 class ExportConfig(Section):
     format: Literal["sglang"] = "sglang"
+    # "best": train/checkpoint, the best held-out evaluation so far; "latest": the weights
+    # of the highest step saved, the best checkpoint's or the exact-resume state's (an
+    # unfinished run stopped mid-epoch: its last steps were never evaluated)
+    weights: Literal["best", "latest"] = "best"
 
 
 class EvalServerConfig(ServerConfig):

@@ -34,7 +34,7 @@ from eagletrain.drafter import Eagle3Drafter
 from eagletrain.errors import EagletrainError, InputError
 from eagletrain.runtime.rundir import Run, require_previous
 from eagletrain.runtime.worker import WorkerSession
-from eagletrain.train.checkpoint import CHECKPOINT, load_checkpoint
+from eagletrain.train.checkpoint import CHECKPOINT, DRAFTER_CONFIG, load_checkpoint
 
 STAGE = "export"
 SGLANG_DIR = "sglang"
@@ -210,7 +210,8 @@ def run_export(run: Run, allow_partial: bool = False) -> Path:
     ledger.begin_stage(STAGE, "units", len(FORMATS), "formats")
     digests = {}
     with WorkerSession(ledger, run.dir, STAGE, "0/1"):
-        drafter = load_checkpoint(run.dir / "train" / CHECKPOINT)
+        weights = weights_to_export(run)
+        drafter = load_checkpoint(run.dir / "train" / weights["directory"])
         for done, fmt in enumerate(FORMATS, 1):
             out_dir, tmp = root / fmt, root / f".{fmt}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -221,7 +222,28 @@ def run_export(run: Run, allow_partial: bool = False) -> Path:
             digests[fmt] = hashlib.sha256((out_dir / "model.safetensors").read_bytes()).hexdigest()
             ledger.set_units_done(STAGE, done)
     digest = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:32]
-    ledger.complete(
-        STAGE, len(FORMATS), 0, digest, allow_partial, {"formats": list(FORMATS), "path": str(root)}
-    )
+    detail = {"formats": list(FORMATS), "path": str(root), "weights": weights}
+    ledger.complete(STAGE, len(FORMATS), 0, digest, allow_partial, detail)
     return root
+
+
+def weights_to_export(run: Run) -> dict[str, Any]:
+    """Which saved weights export takes (export.weights): the directory under train/, its
+    step, whether a held-out evaluation chose it, and the newest step saved."""
+    train_dir = run.dir / "train"
+    detail = (run.ledger.stage_row("train") or {}).get("detail", {})
+    saved = []
+    if (train_dir / CHECKPOINT / "model.safetensors").is_file():
+        summary = json.loads((train_dir / CHECKPOINT / "train_summary.json").read_text())
+        saved.append({"directory": CHECKPOINT, "step": summary["steps"], "evaluated": True})
+    resume = detail.get("resume")
+    if resume and (train_dir / resume / DRAFTER_CONFIG).is_file():
+        state = json.loads((train_dir / resume / "state.json").read_text())
+        saved.append({"directory": resume, "step": state["position"]["step"], "evaluated": False})
+    newest = max((w["step"] for w in saved), default=0)
+    if run.config.export.weights == "best":
+        saved = [w for w in saved if w["evaluated"]]
+    if not saved:
+        hint = f"; export.weights=latest takes step {newest}" if newest else ""
+        raise InputError(f"{train_dir}: no held-out checkpoint to export yet{hint}")
+    return {**max(saved, key=lambda w: w["step"]), "newest_step": newest}

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import cli_env, eagletrain, eagletrain_background, status_json, train_losses, wait_for
 
 
@@ -122,3 +124,51 @@ def test_best_heldout_evaluation_selects_the_checkpoint(tiny_config: Path, tmp_p
     tags = board.Tags()["scalars"]
     assert {"train/loss", "train/acc_0", "heldout/simulated_acceptance_length"} <= set(tags)
     assert [e.step for e in board.Scalars("train/loss")] == steps
+
+
+def test_an_unfinished_run_exports_its_best_or_its_latest_weights(
+    tiny_config: Path, tmp_path: Path
+):
+    """Stopped after its first held-out evaluation: export takes the evaluated checkpoint
+    by default and the exact-resume state's newer weights with export.weights=latest."""
+    from safetensors.torch import load_file
+
+    from eagletrain.export import load_exported
+
+    run = tmp_path / "run"
+    _prepare(tiny_config, run)
+    overrides = ["--set", "train.checkpoint_every=0", "--set", "train.epochs=3"]
+    env = cli_env(EAGLETRAIN_FAULT_DELAY="train:0.3")
+    log = tmp_path / "t.log"
+    proc = eagletrain_background(
+        "train", tiny_config, "--run-dir", run, *overrides, env=env, log=log
+    )
+    try:
+        metrics = run / "train" / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and _evaluations(run))
+        evaluated = _evaluations(run)[0][0]
+        wait_for(lambda: status_json(run)["train"]["done"] >= evaluated + 2)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, log.read_text()
+    finally:
+        proc.kill()
+    (resume,) = (run / "train").glob("resume-*")
+    stopped_at = int(resume.name.split("-")[1])
+    assert stopped_at > evaluated
+    shutil.copytree(run, tmp_path / "latest")
+
+    def exported(run_dir: Path, *sets: str) -> tuple[dict, str]:
+        args = ("--run-dir", run_dir, "--allow-partial", *overrides, *sets)
+        result = eagletrain("export", tiny_config, *args)
+        assert result.returncode == 0, result.stderr
+        return load_exported(run_dir / "export" / "sglang").state_dict(), result.stdout
+
+    best, out = exported(run)
+    assert f"weights: train/checkpoint (step {evaluated}, best held-out evaluation)" in out
+    assert f"step {stopped_at} is saved too" in out
+    latest, out = exported(tmp_path / "latest", "--set", "export.weights=latest")
+    assert f"weights: train/{resume.name} (step {stopped_at}, not evaluated)" in out
+    for weights, directory in ((best, run / "train" / "checkpoint"), (latest, resume)):
+        saved = load_file(directory / "model.safetensors")
+        assert all(torch.equal(weights[k], saved[k].to(weights[k].dtype)) for k in saved)
+    assert not all(torch.equal(best[k], latest[k]) for k in best)

@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 from eagletrain.drafter import Eagle3Drafter
 
 CHECKPOINT = "checkpoint"
+DRAFTER_CONFIG = "drafter_config.json"  # also in each exact-resume state (train/state.py)
 
 
 def save_checkpoint(
@@ -26,13 +27,14 @@ def save_checkpoint(
     save_file(state, tmp)
     tmp.replace(directory / "model.safetensors")
     config = drafter.config.to_dict()
-    (directory / "drafter_config.json").write_text(json.dumps(config, indent=2))
+    (directory / DRAFTER_CONFIG).write_text(json.dumps(config, indent=2))
     (directory / "train_summary.json").write_text(json.dumps(extra, indent=2))
     return hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()[:32]
 
 
 def load_checkpoint(directory: Path) -> Eagle3Drafter:
-    cfg = LlamaConfig(**json.loads((directory / "drafter_config.json").read_text()))
+    """The drafter in `directory`: train/checkpoint or an exact-resume state."""
+    cfg = LlamaConfig(**json.loads((directory / DRAFTER_CONFIG).read_text()))
     drafter = Eagle3Drafter(cfg)
     drafter.load_state_dict(load_file(directory / "model.safetensors"), strict=True)
     return drafter

@@ -161,6 +161,7 @@ def _save_resume_state(
     if parallel.main:
         log.flush()
         train_dir = run.dir / "train"
-        name = save_train_state(train_dir, position, *states, parts.opt.scheduler)
+        config = parts.drafter.config.to_dict()
+        name = save_train_state(train_dir, position, *states, parts.opt.scheduler, config)
         run.ledger.update_detail(STAGE, resume=name)
         remove_older(train_dir, name)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagletrain.runtime.shards import fsync_dir
+from eagletrain.train.checkpoint import DRAFTER_CONFIG
 from eagletrain.train.sharding import is_sharded, load_full_model_state, load_full_optimizer_state
 
 
@@ -45,8 +46,10 @@ def save_train_state(
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
     scheduler: Any,
+    drafter_config: dict[str, Any],
 ) -> str:
-    """Write whole states (sharding.full_model_state / full_optimizer_state) atomically."""
+    """Write whole states (sharding.full_model_state / full_optimizer_state) atomically, with
+    the drafter's config, so that export can take these weights (export.weights = "latest")."""
     name = f"resume-{position.step:08d}"
     tmp = train_dir / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -58,6 +61,7 @@ def save_train_state(
     sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     meta = {"position": position.__dict__, "param_groups": groups, "scheduler": sched}
     (tmp / "state.json").write_text(json.dumps(meta))
+    (tmp / DRAFTER_CONFIG).write_text(json.dumps(drafter_config, indent=2))
     for f in tmp.iterdir():
         with f.open("rb") as fh:
             os.fsync(fh.fileno())
