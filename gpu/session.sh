@@ -37,6 +37,10 @@
 #   PHASE=firststep the trainer's cold start on a copy of the run: seconds to its first steps
 #   PHASE=trainbench bench/train_online.py on the run in /tmp/q (VARIANTS, STEPS): the
 #                 online trainer's batch and step times, and a kernel table
+#   PHASE=ablation bench/recipe_ablation.py on the run in /tmp/q (a data stage, not yet
+#                 trained: .carry/r): ABLATION, ';'-separated NAME:key=value ... variants
+#                 of the train section, trained side by side for ABLATION_S seconds (a
+#                 later call resumes them), each judged by its held-out evaluations
 #   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
 #                 and held-out at T=0 and 1, chain 3 and tree, each speedup against plain
 #                 decoding on the same engine; the JSON results come back as one tgz
@@ -217,6 +221,14 @@ firststep)
 fetch)
   # what an earlier call left waiting in /tmp/pieces (over one call's 64 MB)
   ls /tmp/pieces/* | head -4 | xargs -I{} mv {} $OUT/ ;;
+ablation)
+  IFS=';' read -r -a specs <<< "${ABLATION:?set ABLATION, e.g. base:;ttt3:train.ttt_steps=3}"
+  args=(); for v in "${specs[@]}"; do args+=(--variant "$v"); done
+  python3 bench/recipe_ablation.py /tmp/q "${args[@]}" --seconds "${ABLATION_S:-480}" \
+    "${SETS[@]}" 2>&1 | grep -v -i "warn" | tee $OUT/ablation.log
+  for d in /tmp/q.ablation/*/; do
+    gzip -c "$d/train/metrics.jsonl" > "$OUT/metrics-$(basename "$d").jsonl.gz"
+  done ;;
 trainbench)
   # bench/train_online.py on the run's data (a kept data stage: .carry/r): the target's
   # forward padded against packed, the decoder layer compiled, the TTT block masks

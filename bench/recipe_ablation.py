@@ -1,0 +1,177 @@
+"""Which recipe lever still pays: one run's data, trained once per variant of the recipe
+(TTT steps, lr, epochs, draft vocabulary: any `--set` of the train section), side by side
+on one GPU, each judged by the trainer's own held-out evaluation at every epoch's end (the
+served chain of `eval.draft_steps` drafts replayed on the held-out replies, `chain_tau`,
+and the simulated acceptance length over all TTT steps).
+
+Each variant trains a copy of RUN_DIR (a run whose data stage is done and whose training
+has not started) under torchrun, all at once (a 135M target leaves an H100 mostly idle
+between kernels) or `--parallel` at a time. After `--seconds` each gets SIGINT and saves
+its step in flight: the same command again resumes every copy where it stopped.
+
+    python bench/recipe_ablation.py RUN_DIR --variant "base:" \\
+        --variant "ttt3:train.ttt_steps=3" --variant "lr1e-3:train.lr=1e-3" \\
+        [--set target.model=PATH] [--seconds 500] [--parallel 4] [--out DIR]
+
+Prints a table, then `chain_tau_ratio_best=<ratio>` last: the best variant's held-out
+chain tau against the first variant's (the baseline) at the last epoch both reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from eagletrain.runtime.rundir import CONFIG_NAME
+
+
+@dataclass
+class Variant:
+    name: str
+    overrides: list[str]
+    directory: Path = field(default=Path())
+
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        name, _, sets = spec.partition(":")
+        if not name:
+            raise SystemExit(f"--variant {spec!r}: expected NAME:key=value key=value ...")
+        return cls(name, sets.split())
+
+
+def prepare(run_dir: Path, variant: Variant, out: Path) -> None:
+    """A copy of the run for the variant (kept between calls: a rerun resumes it)."""
+    variant.directory = out / variant.name
+    if variant.directory.is_dir():
+        return
+    if (run_dir / "train").exists():
+        raise SystemExit(f"{run_dir}: training has started there; ablate a run before it")
+    shutil.copytree(run_dir, out / f".{variant.name}.tmp", dirs_exist_ok=True)
+    (out / f".{variant.name}.tmp").rename(variant.directory)
+
+
+def launch(variant: Variant, base: list[str], port: int) -> subprocess.Popen:
+    sets = [arg for s in [*base, *variant.overrides] for arg in ("--set", s)]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+        "--master_port", str(port), "-m", "eagletrain", "train",
+        str(variant.directory / CONFIG_NAME), "--run-dir", str(variant.directory),
+        *sets, "--allow-partial",
+    ]  # fmt: skip
+    log = (variant.directory / "ablation.log").open("a")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def train_all(variants: list[Variant], base: list[str], seconds: float, parallel: int) -> None:
+    """Each variant until its training ends or `seconds` after its start (then SIGINT)."""
+    waiting, running = list(variants), []
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            variant = waiting.pop(0)
+            port = 29700 + variants.index(variant)
+            running.append((launch(variant, base, port), time.monotonic()))
+        for proc, started in list(running):
+            if proc.poll() is not None:
+                running.remove((proc, started))
+            elif time.monotonic() - started > seconds:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        time.sleep(1)
+
+
+def figures(variant: Variant) -> dict:
+    """Steps done and total, seconds a step, and the held-out evaluations."""
+    status = subprocess.run(
+        [sys.executable, "-m", "eagletrain", "status", str(variant.directory), "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    train = {s["stage"]: s for s in json.loads(status.stdout)}["train"]
+    metrics = variant.directory / "train" / "metrics.jsonl"
+    rows = (
+        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    )
+    steps = [r for r in rows if "eval" not in r]
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(steps)]
+    evals = [r for r in rows if "eval" in r]
+    return {
+        "done": train["done"],
+        "total": train["total"],
+        "step_s": statistics.median([g for g in gaps if g > 0]) if gaps else float("nan"),
+        "evals": [(r["step"], r["eval"]) for r in evals],
+    }
+
+
+def report(variants: list[Variant]) -> None:
+    results = {v.name: figures(v) for v in variants}
+    base = results[variants[0].name]
+    table = Table(title="recipe ablation: held-out evaluation at each epoch's end")
+    for column in (
+        "variant", "overrides", "steps", "s/step", "chain tau per epoch", "simulated tau",
+        "acc_0", "held-out samples", "chain tau vs first",
+    ):  # fmt: skip
+        table.add_column(column)
+    ratios = {}
+    for variant in variants:
+        r = results[variant.name]
+        evals = r["evals"]
+        last = evals[-1][1] if evals else {}
+        common = min(len(evals), len(base["evals"]))
+        if common:
+            ratio = evals[common - 1][1]["chain_tau"] / base["evals"][common - 1][1]["chain_tau"]
+            ratios[variant.name] = ratio
+        table.add_row(
+            variant.name,
+            " ".join(variant.overrides) or "(the config's)",
+            f"{r['done']}/{r['total']}",
+            f"{r['step_s']:.3f}",
+            " / ".join(f"{e['chain_tau']:.3f}" for _, e in evals) or "-",
+            f"{last['simulated_acceptance_length']:.3f}" if last else "-",
+            f"{last['heldout_acc'][0]:.3f}" if last else "-",
+            str(last.get("heldout_samples", "-")),
+            f"{ratios[variant.name]:.3f}x (epoch {common})" if common else "-",
+        )
+    Console(width=200).print(table)
+    others = {k: v for k, v in ratios.items() if k != variants[0].name}
+    if others:
+        best = max(others, key=others.__getitem__)
+        print(f"best variant: {best}")
+        print(f"chain_tau_ratio_best={others[best]:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--variant", action="append", required=True, type=Variant.parse)
+    parser.add_argument("--set", dest="sets", action="append", default=[])
+    parser.add_argument("--seconds", type=float, default=500.0)
+    parser.add_argument("--parallel", type=int, default=0, help="0: all at once")
+    parser.add_argument("--out", type=Path, default=None, help="default RUN_DIR.ablation")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    out = args.out or args.run_dir.with_name(args.run_dir.name + ".ablation")
+    out.mkdir(parents=True, exist_ok=True)
+    for variant in args.variant:
+        prepare(args.run_dir, variant, out)
+    if not args.report_only:
+        train_all(args.variant, args.sets, args.seconds, args.parallel or len(args.variant))
+    report(args.variant)
+
+
+if __name__ == "__main__":
+    main()
