@@ -39,8 +39,9 @@
 #                 online trainer's batch and step times, and a kernel table
 #   PHASE=ablation bench/recipe_ablation.py on the run in /tmp/q (a data stage, not yet
 #                 trained: .carry/r): ABLATION, ';'-separated NAME:key=value ... variants
-#                 of the train section, trained side by side for ABLATION_S seconds (a
-#                 later call resumes them), each judged by its held-out evaluations
+#                 of the train section, trained side by side (ABLATION_PARALLEL at a
+#                 time; default all) for ABLATION_S seconds each (a later call resumes
+#                 them), each judged by its held-out evaluations
 #   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
 #                 and held-out at T=0 and 1, chain 3 and tree, each speedup against plain
 #                 decoding on the same engine; the JSON results come back as one tgz
@@ -225,7 +226,7 @@ ablation)
   IFS=';' read -r -a specs <<< "${ABLATION:?set ABLATION, e.g. base:;ttt3:train.ttt_steps=3}"
   args=(); for v in "${specs[@]}"; do args+=(--variant "$v"); done
   python3 bench/recipe_ablation.py /tmp/q "${args[@]}" --seconds "${ABLATION_S:-480}" \
-    "${SETS[@]}" 2>&1 | grep -v -i "warn" | tee $OUT/ablation.log
+    --parallel "${ABLATION_PARALLEL:-0}" "${SETS[@]}" 2>&1 | grep -v -i "warn" | tee $OUT/ablation.log
   for d in /tmp/q.ablation/*/; do
     gzip -c "$d/train/metrics.jsonl" > "$OUT/metrics-$(basename "$d").jsonl.gz"
   done ;;
