@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import shutil
 import signal
 import statistics
@@ -34,7 +33,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from eagletrain.report import read_metrics
+from eagletrain.runtime.ledger import Ledger
 from eagletrain.runtime.rundir import CONFIG_NAME
+from eagletrain.runtime.status import stage_status
 
 
 @dataclass
@@ -97,21 +99,12 @@ def train_all(variants: list[Variant], base: list[str], seconds: float, parallel
 
 def figures(variant: Variant) -> dict:
     """Steps done and total, seconds a step, and the held-out evaluations."""
-    status = subprocess.run(
-        [sys.executable, "-m", "eagletrain", "status", str(variant.directory), "--json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    train = {s["stage"]: s for s in json.loads(status.stdout)}["train"]
-    metrics = variant.directory / "train" / "metrics.jsonl"
-    rows = (
-        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    )
-    steps = [r for r in rows if "eval" not in r]
+    train = stage_status(Ledger(variant.directory, create=False), "train")
+    steps, evals = read_metrics(variant.directory / "train" / "metrics.jsonl")
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(steps)]
-    evals = [r for r in rows if "eval" in r]
     return {
-        "done": train["done"],
-        "total": train["total"],
+        "done": train.done,
+        "total": train.total,
         "step_s": statistics.median([g for g in gaps if g > 0]) if gaps else float("nan"),
         "evals": [(r["step"], r["eval"]) for r in evals],
     }
