@@ -111,7 +111,7 @@ def run_continuous(
     for f in done:
         replies[f.request.id] = len(f.tokens)
     padding = decoder.prefilled_positions / max(decoder.prompt_tokens, 1)
-    return replies, seconds, warm_up, padding
+    return replies, seconds, warm_up, padding, decoder.stats()
 
 
 def run_batched(model, tokenizer, chats, max_tokens, rows, decoder, width) -> tuple:
@@ -129,7 +129,7 @@ def run_batched(model, tokenizer, chats, max_tokens, rows, decoder, width) -> tu
         for chat, done in zip(batch, generator.generate(batch), strict=True):
             replies[index[id(chat)]] = done.completion_tokens
     sync()
-    return replies, time.perf_counter() - start, warm_up, None
+    return replies, time.perf_counter() - start, warm_up, None, {}
 
 
 def main() -> None:
@@ -174,7 +174,7 @@ def main() -> None:
         try:
             if decoder == "continuous":
                 attention = rest[0] if rest else "sdpa"
-                replies, seconds, warm, padding = run_continuous(
+                replies, seconds, warm, padding, stats = run_continuous(
                     model,
                     prompts,
                     args.max_tokens,
@@ -186,7 +186,7 @@ def main() -> None:
                     rest[1:],
                 )
             else:
-                replies, seconds, warm, padding = run_batched(
+                replies, seconds, warm, padding, stats = run_batched(
                     model, tokenizer, chats, args.max_tokens, rows, decoder, width
                 )
         except Exception as err:  # one configuration's failure leaves the others' rows
@@ -202,8 +202,8 @@ def main() -> None:
         table.add_row(spec, f"{warm:.1f}", str(tokens), f"{seconds:.1f}", f"{rates[spec]:.0f}",
                       f"{limit:.0f}", f"{rates[spec] / limit:.0%}", padded)  # fmt: skip
         print(f"row {spec} warm_up_s={warm:.1f} tokens={tokens} s={seconds:.1f} "
-              f"tok_s={rates[spec]:.0f} limit_tok_s={limit:.0f} prefill_padding={padded or '-'}",
-              flush=True)  # fmt: skip
+              f"tok_s={rates[spec]:.0f} limit_tok_s={limit:.0f} prefill_padding={padded or '-'}"
+              + "".join(f" {k}={v}" for k, v in stats.items()), flush=True)  # fmt: skip
     Console(width=160).print(table)
     specs = list(rates)
     best = max(specs, key=rates.get)
