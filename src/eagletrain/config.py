@@ -279,6 +279,13 @@ class EvalConfig(Section):
             del raw["dataset"]
         return raw
 
+    @classmethod
+    def upgrade(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """The file's old keys renamed before `--set` overrides meet them."""
+        if isinstance(raw.get("eval"), dict):
+            raw["eval"] = cls._one_dataset(raw["eval"])
+        return raw
+
 
 class Config(Section):
     run: RunConfig = RunConfig()
@@ -342,7 +349,7 @@ def load_config(path: Path, overrides: list[str] | None = None) -> Config:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: invalid TOML: {err}") from None
-    return validate(apply_overrides(raw, overrides or []), str(path))
+    return validate(apply_overrides(EvalConfig.upgrade(raw), overrides or []), str(path))
 
 
 def dump_toml(config: Config) -> str:
