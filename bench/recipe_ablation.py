@@ -1,8 +1,8 @@
 """Which recipe lever still pays: one run's data, trained once per variant of the recipe
 (TTT steps, lr, epochs, draft vocabulary: any `--set` of the train section), side by side
-on one GPU, each judged by the trainer's own held-out evaluation at every epoch's end (the
-served chain of `eval.draft_steps` drafts replayed on the held-out replies, `chain_tau`,
-and the simulated acceptance length over all TTT steps).
+on one GPU, each judged by the trainer's own held-out evaluations (at every epoch's end and
+every `train.eval_every` steps: the served chain of `eval.draft_steps` drafts replayed on
+the held-out replies, `chain_tau`, and the simulated acceptance length over all TTT steps).
 
 Each variant trains a copy of RUN_DIR (a run whose data stage is done and whose training
 has not started) under torchrun, all at once (a 135M target leaves an H100 mostly idle
@@ -14,7 +14,7 @@ its step in flight: the same command again resumes every copy where it stopped.
         [--set target.model=PATH] [--seconds 500] [--parallel 4] [--out DIR]
 
 Prints a table, then `chain_tau_ratio_best=<ratio>` last: the best variant's held-out
-chain tau against the first variant's (the baseline) at the last epoch both reached.
+chain tau against the first variant's (the baseline) at the last evaluation both reached.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def figures(variant: Variant) -> dict:
 def report(variants: list[Variant]) -> None:
     results = {v.name: figures(v) for v in variants}
     base = results[variants[0].name]
-    table = Table(title="recipe ablation: held-out evaluation at each epoch's end")
+    table = Table(title="recipe ablation: held-out evaluations (epoch ends, train.eval_every)")
     for column in (
-        "variant", "overrides", "steps", "s/step", "chain tau per epoch", "simulated tau",
+        "variant", "overrides", "steps", "s/step", "chain tau @ step", "simulated tau",
         "acc_0", "held-out samples", "chain tau vs first",
     ):  # fmt: skip
         table.add_column(column)
@@ -133,11 +133,11 @@ def report(variants: list[Variant]) -> None:
             " ".join(variant.overrides) or "(the config's)",
             f"{r['done']}/{r['total']}",
             f"{r['step_s']:.3f}",
-            " / ".join(f"{e['chain_tau']:.3f}" for _, e in evals) or "-",
+            " / ".join(f"{e['chain_tau']:.3f} @{step}" for step, e in evals) or "-",
             f"{last['simulated_acceptance_length']:.3f}" if last else "-",
             f"{last['heldout_acc'][0]:.3f}" if last else "-",
             str(last.get("heldout_samples", "-")),
-            f"{ratios[variant.name]:.3f}x (epoch {common})" if common else "-",
+            f"{ratios[variant.name]:.3f}x (evaluation {common})" if common else "-",
         )
     Console(width=200).print(table)
     others = {k: v for k, v in ratios.items() if k != variants[0].name}
