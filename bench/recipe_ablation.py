@@ -72,8 +72,8 @@ def launch(variant: Variant, base: list[str], port: int) -> subprocess.Popen:
         str(variant.directory / CONFIG_NAME), "--run-dir", str(variant.directory),
         *sets, "--allow-partial",
     ]  # fmt: skip
-    log = (variant.directory / "ablation.log").open("a")
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    with (variant.directory / "ablation.log").open("a") as log:  # the child keeps its copy
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
 def train_all(variants: list[Variant], base: list[str], seconds: float, parallel: int) -> None:
