@@ -225,8 +225,13 @@ fetch)
 ablation)
   IFS=';' read -r -a specs <<< "${ABLATION:?set ABLATION, e.g. base:;ttt3:train.ttt_steps=3}"
   args=(); for v in "${specs[@]}"; do args+=(--variant "$v"); done
+  # memory and load of the card every 10 s: how many trainers fit beside each other
+  nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 10 > $OUT/gpu_use.csv &
+  smi=$!
   python3 bench/recipe_ablation.py /tmp/q "${args[@]}" --seconds "${ABLATION_S:-480}" \
     --parallel "${ABLATION_PARALLEL:-0}" "${SETS[@]}" 2>&1 | grep -v -i "warn" | tee $OUT/ablation.log
+  kill $smi
+  sort -t, -k2 -n $OUT/gpu_use.csv | tail -1 | sed 's/^/peak memory sample: /'
   for d in /tmp/q.ablation/*/; do
     gzip -c "$d/train/metrics.jsonl" > "$OUT/metrics-$(basename "$d").jsonl.gz"
   done ;;
