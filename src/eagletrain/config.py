@@ -270,22 +270,6 @@ class EvalConfig(Section):
     backend: Literal["local", "server"] = "local"
     server: EvalServerConfig = EvalServerConfig()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _one_dataset(cls, raw: Any) -> Any:
-        """A run directory written before `datasets` named one `dataset`: read it so."""
-        if isinstance(raw, dict) and "dataset" in raw and "datasets" not in raw:
-            raw = {**raw, "datasets": [raw["dataset"]]}
-            del raw["dataset"]
-        return raw
-
-    @classmethod
-    def upgrade(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        """The file's old keys renamed before `--set` overrides meet them."""
-        if isinstance(raw.get("eval"), dict):
-            raw["eval"] = cls._one_dataset(raw["eval"])
-        return raw
-
 
 class Config(Section):
     run: RunConfig = RunConfig()
@@ -342,6 +326,15 @@ def validate(raw: dict[str, Any], source: str) -> Config:
         raise ConfigError(_describe(err, source)) from None
 
 
+def _renamed_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config file's old keys under their new names, before `--set` overrides meet them:
+    run directories written before `eval.datasets` name one `eval.dataset`."""
+    section = raw.get("eval")
+    if isinstance(section, dict) and "dataset" in section and "datasets" not in section:
+        section["datasets"] = [section.pop("dataset")]
+    return raw
+
+
 def load_config(path: Path, overrides: list[str] | None = None) -> Config:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
@@ -349,7 +342,7 @@ def load_config(path: Path, overrides: list[str] | None = None) -> Config:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: invalid TOML: {err}") from None
-    return validate(apply_overrides(EvalConfig.upgrade(raw), overrides or []), str(path))
+    return validate(apply_overrides(_renamed_keys(raw), overrides or []), str(path))
 
 
 def dump_toml(config: Config) -> str:
