@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import shutil
 import signal
 import statistics
@@ -33,10 +34,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from eagletrain.config import load_config
 from eagletrain.report import read_metrics
 from eagletrain.runtime.ledger import Ledger
 from eagletrain.runtime.rundir import CONFIG_NAME
 from eagletrain.runtime.status import stage_status
+from eagletrain.target import resolve_target
 
 
 @dataclass
@@ -64,7 +67,7 @@ def prepare(run_dir: Path, variant: Variant, out: Path) -> None:
     (out / f".{variant.name}.tmp").rename(variant.directory)
 
 
-def launch(variant: Variant, base: list[str], port: int) -> subprocess.Popen:
+def launch(variant: Variant, base: list[str], port: int, threads: int) -> subprocess.Popen:
     sets = [arg for s in [*base, *variant.overrides] for arg in ("--set", s)]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
@@ -72,29 +75,64 @@ def launch(variant: Variant, base: list[str], port: int) -> subprocess.Popen:
         str(variant.directory / CONFIG_NAME), "--run-dir", str(variant.directory),
         *sets, "--allow-partial",
     ]  # fmt: skip
+    # the host's cores shared out: trainers side by side each spinning every core's
+    # thread pool slow each other down
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with (variant.directory / "ablation.log").open("a") as log:  # the child keeps its copy
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def train_all(variants: list[Variant], base: list[str], seconds: float, parallel: int) -> None:
-    """Each variant until its training ends or `seconds` after its start (then SIGINT)."""
-    waiting, running = list(variants), []
+def steps_logged(variant: Variant) -> int:
+    path = variant.directory / "train" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def dump_and_stop(variant: Variant, proc: subprocess.Popen) -> None:
+    """A trainer with no step by the stall limit: its worker's stacks into its log
+    (SIGUSR1, eagletrain's faulthandler), then a stop."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    for pid in children.read_text().split() if children.is_file() else []:
+        os.kill(int(pid), signal.SIGUSR1)
+    time.sleep(2)
+    print(f"{variant.name}: no step after the stall limit; stacks in "
+          f"{variant.directory / 'ablation.log'}", flush=True)  # fmt: skip
+    proc.send_signal(signal.SIGINT)
+
+
+def train_all(
+    variants: list[Variant], base: list[str], seconds: float, parallel: int, stall: float
+) -> list[Variant]:
+    """Each variant until its training ends or `seconds` after its start (then SIGINT);
+    one with no step logged `stall` seconds after its start is stopped. Returns those."""
+    waiting, running, stalled = list(variants), [], []
+    threads = max(1, (os.cpu_count() or 1) // parallel)
     while waiting or running:
         while waiting and len(running) < parallel:
             variant = waiting.pop(0)
             port = 29700 + variants.index(variant)
-            running.append((launch(variant, base, port), time.monotonic()))
-        for proc, started in list(running):
+            proc = launch(variant, base, port, threads)
+            running.append((variant, proc, time.monotonic()))
+        for entry in list(running):
+            variant, proc, started = entry
+            age = time.monotonic() - started
             if proc.poll() is not None:
-                running.remove((proc, started))
-            elif time.monotonic() - started > seconds:
+                running.remove(entry)
+                continue
+            if age > stall and variant not in stalled and not steps_logged(variant):
+                stalled.append(variant)
+                dump_and_stop(variant, proc)
+            elif age > seconds:
                 proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            else:
+                continue
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            running.remove(entry)
         time.sleep(1)
+    return stalled
 
 
 def figures(variant: Variant) -> dict:
@@ -155,6 +193,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=500.0)
     parser.add_argument("--parallel", type=int, default=0, help="0: all at once")
     parser.add_argument("--out", type=Path, default=None, help="default RUN_DIR.ablation")
+    parser.add_argument(
+        "--stall-seconds", type=float, default=300.0,
+        help="a variant with no step logged by then is stopped, its stacks in its log",
+    )  # fmt: skip
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     out = args.out or args.run_dir.with_name(args.run_dir.name + ".ablation")
@@ -162,7 +204,14 @@ def main() -> None:
     for variant in args.variant:
         prepare(args.run_dir, variant, out)
     if not args.report_only:
-        train_all(args.variant, args.sets, args.seconds, args.parallel or len(args.variant))
+        # the target resolved once (a GGUF de-quantized into the cache) before the
+        # trainers start, not by each of them at once
+        resolve_target(load_config(args.run_dir / CONFIG_NAME, args.sets).target)
+        parallel = args.parallel or len(args.variant)
+        stalled = train_all(args.variant, args.sets, args.seconds, parallel, args.stall_seconds)
+        for variant in stalled:
+            tail = (variant.directory / "ablation.log").read_text(errors="replace")[-4000:]
+            print(f"--- {variant.name}: the end of its log\n{tail}", flush=True)
     report(args.variant)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -73,6 +74,8 @@ def _guarded(fn):
         # SIGINT stops a stage cleanly (resumable, `status` says stopped) even when the
         # launcher ignored it, as a shell does for a background job, which Python inherits
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # `kill -USR1 PID` prints every thread's stack to stderr: where a quiet stage is
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         die_with_launcher()  # under torchrun: no rank outlives a killed torchrun
         install_faults()  # the reliability tests' simulated full disk, when asked for
         try:
