@@ -153,7 +153,8 @@ def report(variants: list[Variant]) -> None:
     base = results[variants[0].name]
     table = Table(title="recipe ablation: held-out evaluations (epoch ends, train.eval_every)")
     for column in (
-        "variant", "overrides", "steps", "s/step", "chain tau @ step", "simulated tau",
+        "variant", "overrides", "steps", "s/step", "chain tau @ step",
+        "last chain tau [95% CI over rows]", "simulated tau",
         "acc_0", "held-out samples", "chain tau vs first",
     ):  # fmt: skip
         table.add_column(column)
@@ -172,6 +173,7 @@ def report(variants: list[Variant]) -> None:
             f"{r['done']}/{r['total']}",
             f"{r['step_s']:.3f}",
             " / ".join(f"{e['chain_tau']:.3f} @{step}" for step, e in evals) or "-",
+            _with_interval(last),
             f"{last['simulated_acceptance_length']:.3f}" if last else "-",
             f"{last['heldout_acc'][0]:.3f}" if last else "-",
             str(last.get("heldout_samples", "-")),
@@ -183,6 +185,14 @@ def report(variants: list[Variant]) -> None:
         best = max(others, key=others.__getitem__)
         print(f"best variant: {best}")
         print(f"chain_tau_ratio_best={others[best]:.3f}")
+
+
+def _with_interval(figures: dict) -> str:
+    """The chain tau with its interval and rows (evaluations since 2026-12-07 carry one)."""
+    if "chain_tau_ci" not in figures:
+        return f"{figures['chain_tau']:.3f}" if figures else "-"
+    low, high = figures["chain_tau_ci"]
+    return f"{figures['chain_tau']:.3f} [{low:.3f}-{high:.3f}], {figures['chain_rows']} rows"
 
 
 def main() -> None:

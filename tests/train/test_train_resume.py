@@ -118,6 +118,13 @@ def test_best_heldout_evaluation_selects_the_checkpoint(tiny_config: Path, tmp_p
     summary = json.loads((run / "train" / "checkpoint" / "train_summary.json").read_text())
     assert summary["steps"] == best_step
     assert summary["simulated_acceptance_length"] == best_tau
+    # each evaluation's replayed chain tau comes with its bootstrap interval over rows
+    for record in map(json.loads, (run / "train" / "metrics.jsonl").read_text().splitlines()):
+        if "eval" in record:
+            figures = record["eval"]
+            low, high = figures["chain_tau_ci"]
+            assert 1.0 <= low <= figures["chain_tau"] <= high, figures
+            assert figures["chain_rows"] >= 1
 
     board = EventAccumulator(str(run / "train" / "tensorboard"))
     board.Reload()

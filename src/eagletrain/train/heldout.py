@@ -3,7 +3,8 @@ acceptance length (leading correct TTT steps + 1 at every position whose target 
 in the draft vocab) and the chain tau a served chain of `chain_steps` drafts would reach on
 the same replies (cycles replayed on the unroll: each starts where the last one's bonus
 token left off, a target token outside the draft vocab ends one), on the same batches as
-training."""
+training. The chain tau's 95% interval is a bootstrap over the batcher's rows (a sample,
+or a packed row of whole samples), the units the replies come in."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from eagletrain.drafter import dense_ttt_attention
+from eagletrain.evaluate.stats import tau_interval
 from eagletrain.train.batches import Batcher
 from eagletrain.train.step import batch_ttt, objective_drafter, objective_settings
 from eagletrain.train.ttt import TargetHead
@@ -32,7 +34,7 @@ def evaluate_heldout(
     loss, acc, cond_acc = 0.0, [0.0] * steps, [0.0] * steps
     accepted_sum, counted_sum, batches = 0.0, 0, 0
     chain_steps = min(chain_steps, steps)
-    chain_tokens, chain_cycles = 0, 0
+    per_row: list[tuple[int, int]] = []  # (tokens, cycles) of each row's replayed chain
     with torch.no_grad(), dense_ttt_attention(drafter):
         for s in range(0, len(batcher), batch_size):
             units = list(range(s, min(s + batch_size, len(batcher))))
@@ -42,32 +44,42 @@ def evaluate_heldout(
             cond_acc = [a + b for a, b in zip(cond_acc, r.step_cond_acc, strict=True)]
             accepted_sum += float((r.accepted * r.counted).sum())
             counted_sum += int(r.counted.sum())
-            tokens, cycles = replay_chain(r.accepted, r.startable, chain_steps)
-            chain_tokens, chain_cycles = chain_tokens + tokens, chain_cycles + cycles
+            per_row += replay_rows(r.accepted, r.startable, chain_steps)
             batches += 1
     drafter.train()
     n = max(batches, 1)
+    chain_tokens, chain_cycles = (sum(x) for x in zip(*per_row, strict=True)) if per_row else (0, 0)
     return {
         "heldout_loss": loss / n,
         "heldout_acc": [a / n for a in acc],
         "heldout_cond_acc": [a / n for a in cond_acc],
         "simulated_acceptance_length": 1.0 + accepted_sum / max(counted_sum, 1),
         "chain_tau": chain_tokens / max(chain_cycles, 1),
+        "chain_tau_ci": list(tau_interval(per_row)),
         "chain_steps": chain_steps,
         "chain_cycles": chain_cycles,
+        "chain_rows": len(per_row),
         "heldout_samples": len(batcher.data),
     }
+
+
+def replay_rows(
+    accepted: torch.Tensor, startable: torch.Tensor, steps: int
+) -> list[tuple[int, int]]:
+    """(tokens, cycles) of served chain decoding with `steps` drafts, replayed on the unroll
+    of each row."""
+    rows = []
+    for leading, start in zip(accepted.tolist(), startable.tolist(), strict=True):
+        cycles = chain_cycles(leading, start, steps)
+        rows.append((sum(cycles) + len(cycles), len(cycles)))
+    return rows
 
 
 def replay_chain(accepted: torch.Tensor, startable: torch.Tensor, steps: int) -> tuple[int, int]:
     """(tokens, cycles) of served chain decoding with `steps` drafts, replayed on the unroll
     of every row."""
-    cycles = [
-        k
-        for leading, start in zip(accepted.tolist(), startable.tolist(), strict=True)
-        for k in chain_cycles(leading, start, steps)
-    ]
-    return sum(cycles) + len(cycles), len(cycles)
+    rows = replay_rows(accepted, startable, steps)
+    return sum(t for t, _ in rows), sum(c for _, c in rows)
 
 
 def chain_cycles(leading: list[int], startable: list[bool], steps: int) -> list[int]:
