@@ -20,6 +20,7 @@ first configuration, then `regen_tok_s=<best>` last.
     python bench/regen_local.py [--prompts 4096] [--max-tokens 256] [--dtype bfloat16]
         [--configs generate/512,graphed/512,continuous/1024/sdpa,continuous/1024/flex]
         [--model smollm2|PATH] [--source sharegpt|PATH] [--max-length 1024]
+        [--row-seconds 0]  # a limit per configuration; a row cut short says so ("cut=")
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def sync() -> None:
 
 
 def run_continuous(
-    model, prompts, max_tokens, eos, rows, attention, width, prefill, options
+    model, prompts, max_tokens, eos, rows, attention, width, prefill, options, seconds, spec
 ) -> tuple:
-    """`options`: "eager" (the prefill uncompiled), "packed" (the prefill packed)."""
+    """`options`: "eager" (the prefill uncompiled), "packed" (the prefill packed). After
+    `seconds` of decoding (0: no limit) the rows in flight are dropped."""
     decoder = ContinuousDecoder(
         model, rows, width, max_tokens, eos, attention=attention,
         compile=next(model.parameters()).is_cuda, prefill_positions=prefill,
@@ -103,8 +105,11 @@ def run_continuous(
     decoder.warm_up()  # untimed: every width's graph compiled and captured
     sync()
     warm_up = time.perf_counter() - start
+    print(f"row {spec} warm-up done in {warm_up:.1f} s", flush=True)
     start = time.perf_counter()
-    done = list(decoder.run(take_from([Request(i, p, max_tokens) for i, p in enumerate(prompts)])))
+    requests = [Request(i, p, max_tokens) for i, p in enumerate(prompts)]
+    stop = (lambda: time.perf_counter() - start > seconds) if seconds else None
+    done = list(decoder.run(take_from(requests), stop))
     sync()
     seconds = time.perf_counter() - start
     replies = [0] * len(prompts)
@@ -114,8 +119,9 @@ def run_continuous(
     return replies, seconds, warm_up, padding, decoder.stats()
 
 
-def run_batched(model, tokenizer, chats, max_tokens, rows, decoder, width) -> tuple:
-    """The same prompts through LocalGenerator, which applies the chat template itself."""
+def run_batched(model, tokenizer, chats, max_tokens, rows, decoder, width, seconds, spec) -> tuple:
+    """The same prompts through LocalGenerator, which applies the chat template itself;
+    no batch starts after `seconds` (0: no limit)."""
     cfg = RegenerateConfig(max_tokens=max_tokens, batch_size=rows, decoder=decoder)
     generator = LocalGenerator(model, tokenizer, cfg, max_prompt_tokens=width - max_tokens)
     index = {id(c): i for i, c in enumerate(chats)}
@@ -123,9 +129,12 @@ def run_batched(model, tokenizer, chats, max_tokens, rows, decoder, width) -> tu
     generator.generate(chats[:rows])  # untimed: first-call setup, compilation
     sync()
     warm_up = time.perf_counter() - start
+    print(f"row {spec} warm-up done in {warm_up:.1f} s", flush=True)
     replies = [0] * len(chats)
     start = time.perf_counter()
     for batch in length_grouped(chats, rows, lambda c: c):
+        if seconds and time.perf_counter() - start > seconds:
+            break
         for chat, done in zip(batch, generator.generate(batch), strict=True):
             replies[index[id(chat)]] = done.completion_tokens
     sync()
@@ -144,6 +153,11 @@ def main() -> None:
     parser.add_argument("--source", default="sharegpt")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--row-seconds", type=float, default=0.0,
+        help="each configuration decodes at most this long (0: all prompts); a row cut "
+        "short counts the replies finished by then",
+    )  # fmt: skip
     parser.add_argument(
         "--prefill-positions", type=int, default=None,
         help="the continuous decoder's padded positions per prefill forward (default 16 a row)",
@@ -184,11 +198,14 @@ def main() -> None:
                     width,
                     args.prefill_positions,
                     rest[1:],
+                    args.row_seconds,
+                    spec,
                 )
             else:
                 replies, seconds, warm, padding, stats = run_batched(
-                    model, tokenizer, chats, args.max_tokens, rows, decoder, width
-                )
+                    model, tokenizer, chats, args.max_tokens, rows, decoder, width,
+                    args.row_seconds, spec,
+                )  # fmt: skip
         except Exception as err:  # one configuration's failure leaves the others' rows
             print(f"row {spec} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
             continue
@@ -197,6 +214,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
         tokens = sum(replies)
         rates[spec] = tokens / seconds
+        finished = sum(n > 0 for n in replies)
+        if finished < len(prompts):
+            stats = {**stats, "cut": f"{finished}/{len(prompts)}_replies"}
         limit = kv_limit(model, prompts, replies, rows, bandwidth)
         padded = "" if padding is None else f"{padding:.2f}"
         table.add_row(spec, f"{warm:.1f}", str(tokens), f"{seconds:.1f}", f"{rates[spec]:.0f}",

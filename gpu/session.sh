@@ -270,10 +270,11 @@ prompts)
   tar -C /tmp/q -czf - config.toml ledger.sqlite | split -b 15M - $OUT/prompts.tgz. ;;
 regen)
   # completion tokens/s of each local decoder on the same first turns, beside the KV-read
-  # limit (bench/regen_local.py)
+  # limit (bench/regen_local.py); ROW_S: each configuration decodes at most this long, so
+  # that a slow one leaves time for the rest (2026-12-07: a packed row took the call)
   timeout "${REGEN_S:-400}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
     --dtype bfloat16 --prompts "${REGEN_PROMPTS:-4096}" --max-tokens "${MAX_NEW:-256}" \
-    ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
+    ${REGEN_CONFIGS:+--configs $REGEN_CONFIGS} ${ROW_S:+--row-seconds $ROW_S} 2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log ;;
 engines)
   # decoding cost per step and cycle on each engine (random weights, SmolLM2's shape)
   # compiled first: the engine served, and the one a time limit must not cut (sixth part)
