@@ -1,0 +1,54 @@
+"""The recipe ablation's curves: the trainer's held-out replayed chain-3 tau against the
+step, one line per variant, from docs/recipe-ablation.csv (the evaluations of
+bench/recipe_ablation.py; each row names its card and commit).
+
+    .venv/bin/python scripts/plot_recipe_ablation.py [--csv CSV] [--out PNG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--csv", type=Path, default=Path("docs/recipe-ablation.csv"))
+    parser.add_argument("--out", type=Path, default=Path("docs/recipe-ablation.png"))
+    args = parser.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[dict[str, str]]] = defaultdict(list)
+    with args.csv.open() as f:
+        for row in csv.DictReader(f):
+            lines[f"{row['variant']}: {row['overrides']}"].append(row)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, rows in lines.items():
+        rows.sort(key=lambda r: int(r["step"]))
+        x = [int(r["step"]) for r in rows]
+        y = [float(r["chain_tau"]) for r in rows]
+        ax.plot(x, y, marker="o", label=name)
+        ax.annotate(f"{y[-1]:.3f}", (x[-1], y[-1]), fontsize=8, textcoords="offset points",
+                    xytext=(6, -3))  # fmt: skip
+    first = next(iter(lines.values()))[0]
+    ax.set_xlim(right=ax.get_xlim()[1] * 1.08)  # room for the last labels
+    ax.set_xlabel("optimizer step (668 a epoch)")
+    ax.set_ylabel("held-out chain-3 tau, replayed")
+    ax.set_title(
+        f"recipe ablation on 15,704 conversations, {first['heldout_samples']} held out "
+        f"({first['card'].split(',')[0]}, {first['commit']})"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
