@@ -1,6 +1,6 @@
 """`status` from the ledger alone: per-state counts kept by triggers, stalled vs running
-for a paused worker, stopped (not failed) after SIGINT, and a second operator refused with
-who holds the stage."""
+for a paused worker, stopped (not failed) after SIGINT, stacks printed on SIGUSR1, and a
+second operator refused with who holds the stage."""
 
 from __future__ import annotations
 
@@ -75,6 +75,23 @@ def test_sigint_reads_stopped_not_failed_and_a_rerun_finishes(tiny_config: Path,
     assert 0 < extract["done"] < extract["total"]
     assert eagletrain("extract", tiny_config, "--run-dir", run).returncode == 0
     assert status_json(run)["extract"]["verdict"] == "done"
+
+
+def test_sigusr1_prints_the_stacks_and_the_stage_goes_on(tiny_config: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    proc = _start_slow_extract(tiny_config, run, tmp_path, "stacks")
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+        log = tmp_path / "stacks.log"
+        wait_for(lambda: "most recent call first" in log.read_text() or proc.poll() is not None)
+        assert proc.poll() is None, "SIGUSR1 ended the stage"
+        assert "eagletrain/extract/" in log.read_text()  # the stage's own frames
+        before = status_json(run)["extract"]["done"]
+        wait_for(lambda: status_json(run)["extract"]["done"] > before)
+        assert proc.poll() is None
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_second_operator_is_refused_with_the_holder(tiny_config: Path, tmp_path: Path):
