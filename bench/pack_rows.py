@@ -11,6 +11,7 @@ Prints a table, then `pack_speedup=<scan s / tree s>` last.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -20,20 +21,10 @@ from rich.table import Table
 from eagletrain.runtime.ledger import Ledger
 from eagletrain.train.packing import pack_rows
 
-
-def first_fit_by_scan(lengths: list[int], row_tokens: int) -> list[list[int]]:
-    """The plain first-fit decreasing, every row scanned: pack_rows before 2026-12-06."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
-        if r is None:
-            rows.append([i])
-            room.append(row_tokens - lengths[i])
-        else:
-            rows[r].append(i)
-            room[r] -= lengths[i]
-    return rows
+# the plain scan is the test's reference (tests/train/test_packing.py): one copy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "train"))
+from test_packing import first_fit_by_scan
 
 
 def main() -> None:
