@@ -11,11 +11,11 @@ import torch
 from test_drafter import tiny_llama_config
 from transformers import LlamaForCausalLM
 
+from eagletrain.decode.acceptance import per_position_acceptance, pooled_tau
 from eagletrain.decode.chain import plain_decode, speculative_chain
 from eagletrain.decode.engine import DecodingEngine
 from eagletrain.decode.proposers import EagleProposer, PromptLookupProposer
 from eagletrain.drafter import Eagle3Drafter, drafter_config
-from eagletrain.evaluate.stats import per_position_acceptance, pooled_tau
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import torch
 from test_drafter import tiny_llama_config
 from transformers import LlamaForCausalLM
 
+from eagletrain.decode.acceptance import tau_interval
 from eagletrain.decode.chain import speculative_chain
 from eagletrain.decode.engine import DecodingEngine
 from eagletrain.decode.proposers import EagleProposer
 from eagletrain.drafter import Eagle3Drafter, drafter_config
-from eagletrain.evaluate.stats import tau_interval
 from eagletrain.target import target_features
 from eagletrain.train.batches import Batch
 from eagletrain.train.heldout import chain_cycles, replay_chain, replay_rows

@@ -11,6 +11,13 @@ from typing import Any
 import torch
 
 from eagletrain.decode import cpu_linears
+from eagletrain.decode.acceptance import (
+    out_of_vocab_share,
+    per_position_acceptance,
+    pooled_tau,
+    tau_interval,
+    tokens_and_cycles,
+)
 from eagletrain.decode.chain import (
     TIE_TOLERANCE,
     Decoded,
@@ -23,13 +30,6 @@ from eagletrain.decode.proposers import PromptLookupProposer
 from eagletrain.decode.tree import TreeShape, speculative_tree
 from eagletrain.drafter import Eagle3Drafter
 from eagletrain.errors import VerifyError
-from eagletrain.evaluate.stats import (
-    out_of_vocab_share,
-    per_position_acceptance,
-    pooled_tau,
-    tau_interval,
-    tokens_and_cycles,
-)
 from eagletrain.export import SGLANG_DIR, load_exported
 from eagletrain.runtime.rundir import Run
 from eagletrain.target import (

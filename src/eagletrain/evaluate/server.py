@@ -24,9 +24,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from eagletrain.config import EvalServerConfig
+from eagletrain.decode.acceptance import tau_interval
 from eagletrain.errors import InputError
 from eagletrain.evaluate.prompts import dataset_name, dataset_prompts
-from eagletrain.evaluate.stats import tau_interval
 from eagletrain.runtime.progress import stage_progress
 from eagletrain.runtime.rundir import Run
 from eagletrain.runtime.worker import WorkerSession

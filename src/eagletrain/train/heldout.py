@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from eagletrain.decode.acceptance import tau_interval
 from eagletrain.drafter import dense_ttt_attention
-from eagletrain.evaluate.stats import tau_interval
 from eagletrain.train.batches import Batcher
 from eagletrain.train.step import batch_ttt, objective_drafter, objective_settings
 from eagletrain.train.ttt import TargetHead

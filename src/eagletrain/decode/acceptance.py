@@ -1,4 +1,4 @@
-"""Acceptance figures: tau pooled over cycles, per-position acceptance, the share of cycles
+"""Acceptance figures of speculative decoding cycles: tau pooled over cycles, per-position acceptance, the share of cycles
 no drafter could have extended (the target's token outside the draft vocabulary), and a
 bootstrap confidence interval over prompts (prompts, not cycles, are the sampled unit)."""
 
