@@ -1,6 +1,7 @@
-"""Acceptance figures of speculative decoding cycles: tau pooled over cycles, per-position acceptance, the share of cycles
-no drafter could have extended (the target's token outside the draft vocabulary), and a
-bootstrap confidence interval over prompts (prompts, not cycles, are the sampled unit)."""
+"""Acceptance figures of speculative decoding cycles: tau pooled over cycles, per-position
+acceptance, the share of cycles no drafter could have extended (the target's token outside
+the draft vocabulary), and a bootstrap confidence interval over prompts (prompts, not
+cycles, are the sampled unit; training's held-out replay resamples its rows)."""
 
 from __future__ import annotations
 
