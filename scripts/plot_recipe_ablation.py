@@ -7,27 +7,12 @@ bench/recipe_ablation.py; each row names its card and commit).
 
 from __future__ import annotations
 
-import argparse
-import csv
-from collections import defaultdict
-from pathlib import Path
+from csv_figure import figure_for, grouped_rows, save
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--csv", type=Path, default=Path("docs/recipe-ablation.csv"))
-    parser.add_argument("--out", type=Path, default=Path("docs/recipe-ablation.png"))
-    args = parser.parse_args()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lines: dict[str, list[dict[str, str]]] = defaultdict(list)
-    with args.csv.open() as f:
-        for row in csv.DictReader(f):
-            lines[f"{row['variant']}: {row['overrides']}"].append(row)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    args, fig, ax = figure_for("docs/recipe-ablation.csv", "docs/recipe-ablation.png")
+    lines = grouped_rows(args.csv, lambda row: f"{row['variant']}: {row['overrides']}")
     for name, rows in lines.items():
         rows.sort(key=lambda r: int(r["step"]))
         x = [int(r["step"]) for r in rows]
@@ -43,11 +28,7 @@ def main() -> None:
         f"recipe ablation on 15,704 conversations, {first['heldout_samples']} held out "
         f"({first['card'].split(',')[0]}, {first['commit']})"
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
+    save(fig, ax, args.out, dpi=110)
 
 
 if __name__ == "__main__":

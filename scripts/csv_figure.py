@@ -1,0 +1,43 @@
+"""What the docs' plotting scripts share: `--csv` / `--out` arguments, the CSV's rows grouped
+into one line each, and a headless matplotlib figure saved with a grid and legend."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def figure_for(default_csv: str, default_out: str) -> tuple[argparse.Namespace, Any, Any]:
+    """(arguments, figure, axes): `--csv` and `--out`, and an empty 8 x 4.5 inch plot."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--csv", type=Path, default=Path(default_csv))
+    parser.add_argument("--out", type=Path, default=Path(default_out))
+    args = parser.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    return args, fig, ax
+
+
+def grouped_rows(path: Path, line: Callable[[dict[str, str]], str]) -> dict[str, list[dict]]:
+    """The CSV's rows by the name of the line each belongs to, in file order."""
+    lines: dict[str, list[dict[str, str]]] = defaultdict(list)
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            lines[line(row)].append(row)
+    return lines
+
+
+def save(fig: Any, ax: Any, out: Path, dpi: int) -> None:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=dpi)
+    print(f"wrote {out}")
