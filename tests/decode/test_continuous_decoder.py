@@ -45,6 +45,25 @@ def requests(n: int, seed: int = 0) -> list[Request]:
     return out
 
 
+def test_packed_refills_across_attention_blocks_give_generates_tokens(tiny):
+    """Prompts of 60-200 tokens packed end to end into refills of up to 1,024 positions:
+    prompts start and end inside flex's 128-token blocks, and a block's queries reach back
+    into the blocks where their prompt began."""
+    _, model = tiny
+    rng = torch.Generator().manual_seed(3)
+    work = [
+        Request(i, torch.randint(3, 300, (int(torch.randint(60, 200, (1,), generator=rng)),),
+                                 generator=rng).tolist(), 6)
+        for i in range(14)
+    ]  # fmt: skip
+    expected = {r.id: generate_greedy(model, r.prompt, r.max_new, set()) for r in work}
+    decoder = ContinuousDecoder(model, rows=8, width=256, max_new=6, eos=set(),
+                                packed_prefill=True, prefill_positions=1024)  # fmt: skip
+    got = {f.request.id: f.tokens for f in decoder.run(take_from(work))}
+    assert got == expected
+    assert decoder.prefilled_positions == decoder.prompt_tokens > 1024
+
+
 @pytest.mark.parametrize(
     ("compile", "attention", "packed"),
     [(False, "sdpa", False), (True, "sdpa", False), (False, "flex", False), (False, "sdpa", True)],

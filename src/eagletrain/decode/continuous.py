@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagletrain.decode.compiled import compiled_steps
+from eagletrain.decode.flex_masks import BUCKET, flex_decode, packed_causal_mask
 from eagletrain.errors import ConfigError
 
 Attention = Literal["sdpa", "flex"]
-BUCKET = 128  # attention widths are multiples of this (one compiled graph per width)
 # a refill's prompts are prefilled sorted by length, in right-padded forwards of at most
 # this many positions per decoding row (or one prompt): padding every prompt to the
 # refill's longest cost 5.3 of 12.2 s on an H100 (docs/benchmarks.md)
@@ -202,7 +202,7 @@ class ContinuousDecoder:
         n, heads = q.shape[:2]
         grouped = q.view(n, self.kv_heads, heads // self.kv_heads, self.head_dim)
         if self.attention == "flex":
-            out = _flex_decode(grouped, keys, values, pos, self.flex_options)
+            out = flex_decode(grouped, keys, values, pos, self.flex_options)
         else:
             allowed = torch.arange(live, device=q.device)[None] <= pos[:, None]
             out = F.scaled_dot_product_attention(
@@ -251,7 +251,7 @@ class ContinuousDecoder:
     def _prefill_packed(self, ids: torch.Tensor, per_row: torch.Tensor) -> None:
         """The forward of `_prefill_group`, packed: `ids` [1, total] the prompts end to
         end, `per_row` [n, 3] = (row, prompt length, token budget) in the same order."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
 
         rows, lengths, limits = per_row.unbind(1)
         n, total = per_row.shape[0], ids.shape[1]
@@ -260,11 +260,7 @@ class ContinuousDecoder:
         ends = lengths.cumsum(0)
         positions = torch.arange(total, device=self.device) - (ends - lengths)[prompt]
         token_rows = rows[prompt]
-
-        def same_prompt_causal(b, h, q_idx, kv_idx):
-            return (prompt[q_idx] == prompt[kv_idx]) & (kv_idx <= q_idx)
-
-        mask = create_block_mask(same_prompt_causal, None, None, total, total, self.device)
+        mask = packed_causal_mask(prompt, positions)
 
         def attend(i: int, q, k, v):
             self.keys[i][token_rows, :, positions] = k[0].transpose(0, 1)
@@ -411,29 +407,3 @@ def take_from(requests: list[Request]) -> Take:
         return batch or None
 
     return take
-
-
-def _flex_decode(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    pos: torch.Tensor,
-    options: dict[str, int] | None = None,
-):
-    """Every query of row b (its group's heads, [n, kv heads, group, dim]) attending that
-    row's columns <= pos[b], blocks past it skipped."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-    n, queries, width = q.shape[0], q.shape[2], keys.shape[2]
-    blocks = width // BUCKET
-    kv_blocks = (pos // BUCKET + 1).to(torch.int32).view(n, 1, 1)
-    kv_index = torch.arange(blocks, device=q.device, dtype=torch.int32).expand(n, 1, 1, blocks)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= pos[b]
-
-    mask = BlockMask.from_kv_blocks(
-        kv_blocks, kv_index.contiguous(), BLOCK_SIZE=BUCKET, mask_mod=mask_mod,
-        seq_lengths=(queries, width),
-    )  # fmt: skip
-    return flex_attention(q, keys, values, block_mask=mask, kernel_options=options)
