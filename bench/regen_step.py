@@ -30,7 +30,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagletrain.decode.continuous import BUCKET, ContinuousDecoder, Request, take_from
+from eagletrain.decode.continuous import ContinuousDecoder, Request, take_from
+from eagletrain.decode.flex_masks import BUCKET
 
 
 class NoAttention(ContinuousDecoder):

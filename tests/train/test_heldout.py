@@ -16,7 +16,7 @@ from eagletrain.decode.proposers import EagleProposer
 from eagletrain.drafter import Eagle3Drafter, drafter_config
 from eagletrain.target import target_features
 from eagletrain.train.batches import Batch
-from eagletrain.train.heldout import chain_cycles, replay_chain, replay_rows
+from eagletrain.train.heldout import chain_cycles, replay_rows
 from eagletrain.train.ttt import TargetHead, TTTSettings, step_weights, ttt_forward
 
 AUX = [1, 3, 4]
@@ -30,7 +30,7 @@ def test_cycles_start_after_the_prefill_token_and_jump_past_accepted_drafts():
     # 9 is the next reply's prefill token; 10 accepts 0
     assert chain_cycles(leading, startable, 3) == [2, 1, 0]
     assert chain_cycles(leading, startable, 1) == [1, 1, 1, 0]  # 2 -> 4 -> 6, then 10
-    tokens, cycles = replay_chain(torch.tensor([leading]), torch.tensor([startable]), 3)
+    [(tokens, cycles)] = replay_rows(torch.tensor([leading]), torch.tensor([startable]), 3)
     assert (tokens, cycles) == (2 + 1 + 0 + 3, 3)
 
 
@@ -41,10 +41,9 @@ def test_rows_replayed_one_by_one_give_the_totals_and_an_interval_around_them():
     # row 0: index 1 is the prefill's token; 2 accepts 3, 6 accepts 3, then the row ends
     assert rows[0] == (8, 2)
     assert rows[1] == (8, 8)  # every cycle accepts nothing: one token each, indices 2-9
-    assert replay_chain(torch.tensor(leading), torch.tensor(startable), 3) == (
-        sum(t for t, _ in rows),
-        sum(c for _, c in rows),
-    )
+    # each row's (tokens, cycles) is its own walk's: accepted drafts plus a bonus a cycle
+    walks = [chain_cycles(a, s, 3) for a, s in zip(leading, startable, strict=True)]
+    assert rows == [(sum(w) + len(w), len(w)) for w in walks]
     low, high = tau_interval(rows)
     tau = sum(t for t, _ in rows) / sum(c for _, c in rows)
     assert low < tau < high  # rows that differ: an interval of some width around the tau

@@ -19,13 +19,13 @@ def packed_causal_mask(prompt: torch.Tensor, positions: torch.Tensor):
 
     total = prompt.shape[0]
     blocks = -(-total // BUCKET)
-    first = torch.arange(blocks, device=prompt.device) * BUCKET  # each query block's first
+    block = torch.arange(blocks, device=prompt.device)
+    first = block * BUCKET  # each query block's first token
     # a query block reaches back to the start of the prompt its first token is in
     lowest = (first - positions[first]) // BUCKET
-    kv_blocks = (torch.arange(blocks, device=prompt.device) - lowest + 1).to(torch.int32)
-    kv_index = (lowest[:, None] + torch.arange(blocks, device=prompt.device)[None]).clamp(
-        max=blocks - 1
-    )  # entries past a block's count are never read
+    kv_blocks = (block - lowest + 1).to(torch.int32)
+    # entries past a block's count are never read
+    kv_index = (lowest[:, None] + block[None]).clamp(max=blocks - 1)
 
     def same_prompt_causal(b, h, q_idx, kv_idx):
         return (prompt[q_idx] == prompt[kv_idx]) & (kv_idx <= q_idx)

@@ -48,7 +48,7 @@ def evaluate_heldout(
             batches += 1
     drafter.train()
     n = max(batches, 1)
-    chain_tokens, chain_cycles = (sum(x) for x in zip(*per_row, strict=True)) if per_row else (0, 0)
+    chain_tokens, chain_cycles = sum(t for t, _ in per_row), sum(c for _, c in per_row)
     return {
         "heldout_loss": loss / n,
         "heldout_acc": [a / n for a in acc],
@@ -73,13 +73,6 @@ def replay_rows(
         cycles = chain_cycles(leading, start, steps)
         rows.append((sum(cycles) + len(cycles), len(cycles)))
     return rows
-
-
-def replay_chain(accepted: torch.Tensor, startable: torch.Tensor, steps: int) -> tuple[int, int]:
-    """(tokens, cycles) of served chain decoding with `steps` drafts, replayed on the unroll
-    of every row."""
-    rows = replay_rows(accepted, startable, steps)
-    return sum(t for t, _ in rows), sum(c for _, c in rows)
 
 
 def chain_cycles(leading: list[int], startable: list[bool], steps: int) -> list[int]:
