@@ -183,6 +183,10 @@ def test_eval_at_temperature_one_on_heldout_conversations(tiny_config: Path, tmp
     }
     assert heldout and {p["id"] for p in results["per_prompt"]} <= heldout
     assert 1.0 <= results["tau"] <= 1 + results["draft_steps"]
+    # each prompt's cycles, chain and tree, add up to the pooled figures (a paired
+    # comparison of two drafters resamples them: bench/compare_drafters.py)
+    for kind, per in (("cycles", results), ("tree_cycles", results["tree"])):
+        assert sum(p[kind] for p in results["per_prompt"]) == per["cycles"]
 
 
 def stages_detail(run: Path, stage: str) -> dict:

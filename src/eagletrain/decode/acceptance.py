@@ -1,7 +1,8 @@
 """Acceptance figures of speculative decoding cycles: tau pooled over cycles, per-position
 acceptance, the share of cycles no drafter could have extended (the target's token outside
-the draft vocabulary), and a bootstrap confidence interval over prompts (prompts, not
-cycles, are the sampled unit; training's held-out replay resamples its rows)."""
+the draft vocabulary), and bootstrap confidence intervals over prompts (prompts, not
+cycles, are the sampled unit; training's held-out replay resamples its rows): of one
+drafter's tau, and of two drafters' ratio on the same prompts."""
 
 from __future__ import annotations
 
@@ -40,6 +41,29 @@ def tau_interval(
     taus = tokens[picks].sum(1) / cycles[picks].sum(1)
     low, high = np.quantile(taus, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
+
+
+def paired_tau_ratio(
+    base: Sequence[tuple[float, int]],
+    new: Sequence[tuple[float, int]],
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """The ratio of two drafters' pooled tau on the same prompts (each prompt's (tokens,
+    cycles), in the same order) and its `level` bootstrap interval, resampling prompts
+    jointly: a prompt's own difficulty then cancels, so the interval is narrower than two
+    separate intervals would suggest."""
+    if len(base) != len(new) or not base:
+        raise ValueError(f"paired prompts differ in number: {len(base)} against {len(new)}")
+    a = np.array(base, dtype=np.float64)
+    b = np.array(new, dtype=np.float64)
+    ratio = (b[:, 0].sum() / b[:, 1].sum()) / (a[:, 0].sum() / a[:, 1].sum())
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(a), size=(BOOTSTRAP_RESAMPLES, len(a)))
+    taus_a = a[picks, 0].sum(1) / a[picks, 1].sum(1)
+    taus_b = b[picks, 0].sum(1) / b[picks, 1].sum(1)
+    low, high = np.quantile(taus_b / taus_a, [(1 - level) / 2, (1 + level) / 2])
+    return float(ratio), float(low), float(high)
 
 
 def tokens_and_cycles(accepted_per_cycle: Sequence[int]) -> tuple[int, int]:

@@ -160,7 +160,10 @@ def evaluate_prompts(
                 "plain_s": plain.seconds,
                 "spec_s": decoded["eagle"].seconds,
                 **(
-                    {"tree_tau": pooled_tau(decoded["tree"].accepted_per_cycle)}
+                    {
+                        "tree_tau": pooled_tau(decoded["tree"].accepted_per_cycle),
+                        "tree_cycles": len(decoded["tree"].accepted_per_cycle),
+                    }
                     if settings.tree
                     else {}
                 ),
