@@ -60,6 +60,11 @@ def main() -> None:
     if not ids:
         raise SystemExit(f"{args.new}: no prompt in common with {args.base}")
     groups = {"all": ids}
+    if args.by_category and base_result["dataset"] != "mtbench":
+        raise SystemExit(
+            f"{args.base}: --by-category reads MT-bench's categories, not "
+            f"{base_result['dataset']}'s"
+        )
     if args.by_category:
         category = mtbench_categories()
         for i in ids:
