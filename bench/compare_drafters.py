@@ -33,7 +33,7 @@ def mtbench_categories() -> dict[str, str]:
     return {str(r["question_id"]): r["category"] for r in rows}
 
 
-def chain(p: dict) -> tuple[float, int] | None:
+def chain(p: dict) -> tuple[float, int]:
     # tokens as the pooled tau counts them: accepted drafts plus a bonus a cycle
     return p["tau"] * p["cycles"], p["cycles"]
 
@@ -41,6 +41,10 @@ def chain(p: dict) -> tuple[float, int] | None:
 def tree(p: dict) -> tuple[float, int] | None:
     # results written before 2026-12-07 lack the tree's cycles
     return (p["tree_tau"] * p["tree_cycles"], p["tree_cycles"]) if "tree_cycles" in p else None
+
+
+def pooled(per_prompt: list[tuple[float, int]]) -> float:
+    return sum(t for t, _ in per_prompt) / sum(c for _, c in per_prompt)
 
 
 def main() -> None:
@@ -60,12 +64,12 @@ def main() -> None:
     if not ids:
         raise SystemExit(f"{args.new}: no prompt in common with {args.base}")
     groups = {"all": ids}
-    if args.by_category and base_result["dataset"] != "mtbench":
-        raise SystemExit(
-            f"{args.base}: --by-category reads MT-bench's categories, not "
-            f"{base_result['dataset']}'s"
-        )
     if args.by_category:
+        if base_result["dataset"] != "mtbench":
+            raise SystemExit(
+                f"{args.base}: --by-category reads MT-bench's categories, not "
+                f"{base_result['dataset']}'s"
+            )
         category = mtbench_categories()
         for i in ids:
             groups.setdefault(category.get(i, "unknown"), []).append(i)
@@ -89,9 +93,7 @@ def main() -> None:
                 cells += ["-", "-"]
                 continue
             ratio, low, high = paired_tau_ratio(a, b)
-            tau_a = sum(t for t, _ in a) / sum(c for _, c in a)
-            tau_b = sum(t for t, _ in b) / sum(c for _, c in b)
-            cells += [f"{tau_a:.3f} -> {tau_b:.3f}", f"{ratio:.3f} [{low:.3f}-{high:.3f}]"]
+            cells += [f"{pooled(a):.3f} -> {pooled(b):.3f}", f"{ratio:.3f} [{low:.3f}-{high:.3f}]"]
             if name == "all" and measure is chain:
                 headline = ratio
         table.add_row(*cells)
