@@ -8,8 +8,12 @@ Configurations `DECODER/ROWS[/ATTENTION]`:
   each step a CUDA graph, a batch runs until its longest reply ends;
 - `continuous/1024/sdpa`, `continuous/1024/flex`: decode/continuous.py, ROWS rows
   refilled as each reply ends, attention to the live width (sdpa) or to each row's own
-  blocks (flex); the refills' prefill compiled on a GPU, eager with a trailing `/eager`,
-  its prompts packed end to end (not right-padded) with a trailing `/packed`.
+  blocks (flex); the refills' prefill compiled on a GPU, eager with `/eager`, its
+  prompts packed end to end (not right-padded) with `/packed`; `/refill=N` refills once
+  N rows are free, `/prefill=N` allows N padded positions a row in one prefill forward
+  (default 16), `/check=N` lets N steps pass between the host's checks (default 8).
+  Consecutive continuous rows with the same rows and attention reuse one decoder (its
+  step compiled once); each row prints where the device's time went (prefill_s, steps_s).
 
 The KV-read limit: every generated token reads its whole context's keys and values
 (layers x KV heads x head dim x 2 x dtype bytes per position) and its share of the
@@ -35,7 +39,12 @@ from rich.table import Table
 from eagletrain.config import RegenerateConfig, TargetConfig
 from eagletrain.data.conversations import read_records
 from eagletrain.data.local_generator import LocalGenerator, length_grouped
-from eagletrain.decode.continuous import ContinuousDecoder, Request, take_from
+from eagletrain.decode.continuous import (
+    PREFILL_POSITIONS_PER_ROW,
+    ContinuousDecoder,
+    Request,
+    take_from,
+)
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target, target_eos
 
 
@@ -90,22 +99,50 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+class Decoders:
+    """One continuous decoder at a time, reused by consecutive configurations with its
+    rows and attention (its step compiled and captured once); the prefill kind and the
+    host's knobs are set per configuration."""
+
+    def __init__(self, model, width: int, max_tokens: int, eos: set[int]):
+        self.model, self.width, self.max_tokens, self.eos = model, width, max_tokens, eos
+        self.key: tuple | None = None
+        self.decoder: ContinuousDecoder | None = None
+
+    def get(self, rows: int, attention: str) -> ContinuousDecoder:
+        if self.key != (rows, attention):
+            self.decoder = self.key = None  # its cache freed before the next one's
+            torch._dynamo.reset()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.decoder = ContinuousDecoder(
+                self.model, rows, self.width, self.max_tokens, self.eos, attention=attention,
+                compile=next(self.model.parameters()).is_cuda, compile_prefill=False,
+            )  # fmt: skip
+            self.key = (rows, attention)
+        return self.decoder
+
+
 def run_continuous(
-    model, prompts, max_tokens, eos, rows, attention, width, prefill, options, seconds, spec
+    decoders: Decoders, prompts, max_tokens, rows, attention, options, seconds, spec
 ) -> tuple:
-    """`options`: "eager" (the prefill uncompiled), "packed" (the prefill packed). After
-    `seconds` of decoding (0: no limit) the rows in flight are dropped."""
-    decoder = ContinuousDecoder(
-        model, rows, width, max_tokens, eos, attention=attention,
-        compile=next(model.parameters()).is_cuda, prefill_positions=prefill,
-        compile_prefill=False if "eager" in options else None,
-        packed_prefill="packed" in options,
-    )  # fmt: skip
+    """`options`: "eager" (the prefill uncompiled), "packed" (the prefill packed),
+    "refill=N" (refill once N rows are free), "prefill=N" (padded positions a prefill
+    forward, per row), "check=N" (steps between the host's checks). After `seconds` of
+    decoding (0: no limit) the rows in flight are dropped."""
+    knobs = dict(o.split("=") for o in options if "=" in o)
+    decoder = decoders.get(rows, attention)
+    compiled = decoder.compiled and "eager" not in options
+    decoder.set_prefill("packed" in options, compiled)
+    decoder.refill_at = int(knobs.get("refill", 1))
+    decoder.prefill_budget = int(knobs.get("prefill", PREFILL_POSITIONS_PER_ROW)) * rows
+    decoder.check_every = int(knobs.get("check", 8))
     start = time.perf_counter()
-    decoder.warm_up()  # untimed: every width's graph compiled and captured
+    decoder.warm_up()  # untimed: the step's graph and a compiled prefill, once a decoder
     sync()
     warm_up = time.perf_counter() - start
     print(f"row {spec} warm-up done in {warm_up:.1f} s", flush=True)
+    decoder.reset_stats()
     start = time.perf_counter()
     requests = [Request(i, p, max_tokens) for i, p in enumerate(prompts)]
     stop = (lambda: time.perf_counter() - start > seconds) if seconds else None
@@ -158,10 +195,6 @@ def main() -> None:
         help="each configuration decodes at most this long (0: all prompts); a row cut "
         "short counts the replies finished by then",
     )  # fmt: skip
-    parser.add_argument(
-        "--prefill-positions", type=int, default=None,
-        help="the continuous decoder's padded positions per prefill forward (default 16 a row)",
-    )  # fmt: skip
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -182,6 +215,7 @@ def main() -> None:
                 "KV-read limit tok/s", "of limit", "prefill padded/real"):  # fmt: skip
         table.add_column(col, justify="right")
     rates: dict[str, float] = {}
+    decoders = Decoders(model, width, args.max_tokens, eos)
     for spec in args.configs.split(","):
         decoder, rows, *rest = spec.split("/")
         rows = int(rows)
@@ -189,18 +223,9 @@ def main() -> None:
             if decoder == "continuous":
                 attention = rest[0] if rest else "sdpa"
                 replies, seconds, warm, padding, stats = run_continuous(
-                    model,
-                    prompts,
-                    args.max_tokens,
-                    eos,
-                    rows,
-                    attention,
-                    width,
-                    args.prefill_positions,
-                    rest[1:],
-                    args.row_seconds,
-                    spec,
-                )
+                    decoders, prompts, args.max_tokens, rows, attention, rest[1:],
+                    args.row_seconds, spec,
+                )  # fmt: skip
             else:
                 replies, seconds, warm, padding, stats = run_batched(
                     model, tokenizer, chats, args.max_tokens, rows, decoder, width,
@@ -209,9 +234,6 @@ def main() -> None:
         except Exception as err:  # one configuration's failure leaves the others' rows
             print(f"row {spec} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
             continue
-        finally:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
         tokens = sum(replies)
         rates[spec] = tokens / seconds
         finished = sum(n > 0 for n in replies)

@@ -181,11 +181,7 @@ def prefill_runs(decoder: TimedDecoder, args: argparse.Namespace, gen: torch.Gen
         variants.append((False, True))
     for compiled, packed in variants:
         name = f"{'compiled' if compiled else 'eager'} {'packed' if packed else 'padded'}"
-        decoder.packed_prefill = packed
-        decoder.prefill = decoder._prefill_packed if packed else decoder._prefill_rows
-        decoder.prefill_compiled = compiled
-        if compiled:
-            decoder.prefill = torch.compile(decoder.prefill, dynamic=True)
+        decoder.set_prefill(packed, compiled)
         try:
             if compiled:
                 decoder.warm_up()  # the prefill's graphs for one row and for several

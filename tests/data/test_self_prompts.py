@@ -5,6 +5,7 @@ and no duplicates, then answered and tokenized like any conversation."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sqlite3
 from pathlib import Path
@@ -127,6 +128,9 @@ def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chat
     # the regenerating decoder's occupancy: 4 rows, busy a share of its steps
     decoder = next(line for line in status.splitlines() if "decoder (last run)" in line)
     assert "4 rows" in decoder and "rows busy" in decoder and " 0 steps" not in decoder
+    assert re.search(
+        r"device \d+\.\d s prefilling \([1-9]\d* refills, [1-9]\d* forwards\)", decoder
+    )
     assert detail["records_per_source"] == {"self": 24}
     assert detail["regenerated_by"].startswith("local:")
     coverage = detail["assistant_tokens"]  # what the replies cover, for the draft vocab

@@ -11,6 +11,7 @@ from conftest import build_tiny_target
 from transformers import LlamaForCausalLM
 
 from eagletrain.decode.continuous import ContinuousDecoder, Request, take_from
+from eagletrain.errors import ConfigError
 from eagletrain.target import TargetSource, load_target, load_tokenizer
 
 
@@ -117,6 +118,43 @@ def test_a_refill_is_prefilled_by_length_in_bounded_forwards(tiny):
     assert one_forward.prompt_tokens == bounded.prompt_tokens == real
     assert one_forward.prefilled_positions == 16 * max(len(r.prompt) for r in work)
     assert real <= bounded.prefilled_positions < 0.8 * one_forward.prefilled_positions
+
+
+def test_refills_wait_for_refill_at_free_rows(tiny):
+    """With `refill_at`, a refill waits until that many rows are free (or no row is busy):
+    fewer refills, each larger, the same tokens; the device time splits into prefill and
+    steps, within the run's own time."""
+    import time
+
+    _, model = tiny
+    work = requests(30, seed=5)
+    expected = {r.id: generate_greedy(model, r.prompt, r.max_new, set()) for r in work}
+
+    def decoded(refill_at: int) -> tuple[dict, list, dict, float]:
+        decoder = ContinuousDecoder(model, rows=8, width=64, max_new=24, eos=set(),
+                                    check_every=2, refill_at=refill_at)  # fmt: skip
+        source, asked = take_from(work), []
+
+        def take(n: int, wait: bool):
+            asked.append((n, wait))
+            return source(n, wait)
+
+        start = time.perf_counter()
+        got = {f.request.id: f.tokens for f in decoder.run(take)}
+        return got, asked, decoder.stats(), time.perf_counter() - start
+
+    each, asked_each, stats_each, _ = decoded(1)
+    grouped, asked_grouped, stats_grouped, seconds = decoded(5)
+    assert each == grouped == expected
+    assert all(n >= 5 or wait for n, wait in asked_grouped)
+    assert any(n < 5 for n, _ in asked_each)  # without it, smaller refills happen
+    assert stats_grouped["refills"] < stats_each["refills"]
+    assert stats_grouped["rows_busy"] < stats_each["rows_busy"]  # rows waited for refills
+    assert stats_grouped["prefill_forwards"] >= stats_grouped["refills"] > 0
+    assert stats_grouped["prefill_s"] > 0 and stats_grouped["steps_s"] > 0
+    assert stats_grouped["prefill_s"] + stats_grouped["steps_s"] <= seconds
+    with pytest.raises(ConfigError, match="refill_at 9 must be between 1 and the 8 rows"):
+        ContinuousDecoder(model, rows=8, width=64, max_new=4, eos=set(), refill_at=9)
 
 
 def test_attention_width_follows_the_live_rows(tiny):

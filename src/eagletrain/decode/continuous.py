@@ -6,7 +6,8 @@ row holds one request at its own length. Every decoding step feeds each row's la
 at that row's own position and has the same shapes, so it runs as a CUDA graph on a GPU
 (one graph per attention width bucket). Every `check_every` steps the host reads which
 rows have finished (end of sequence or their token budget), hands their tokens back, and
-prefills waiting requests into the freed rows: no row idles until a batch's longest reply
+prefills waiting requests into the freed rows (once `refill_at` rows are free: a larger
+refill is fewer, fuller prefill forwards): no row idles until a batch's longest reply
 ends, which is where the fixed-batch decoder lost most of its steps.
 
 Attention reads only what is live: "sdpa" attends the widest live row's length (rounded
@@ -29,6 +30,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagletrain.decode.compiled import compiled_steps
 from eagletrain.decode.flex_masks import BUCKET, flex_decode, packed_causal_mask
+from eagletrain.decode.phase_clock import PhaseClock
 from eagletrain.errors import ConfigError
 
 Attention = Literal["sdpa", "flex"]
@@ -81,13 +83,15 @@ class ContinuousDecoder:
         compile_prefill: bool | None = None,
         packed_prefill: bool = False,
         flex_options: dict[str, int] | None = None,
+        refill_at: int = 1,
     ):
         """`prefill_positions`: positions per prefill forward (default 16 a row);
         `compile_prefill`: the prefill under torch.compile with dynamic shapes (default: as
         `compile`); `packed_prefill`: a refill's prompts end to end in one sequence, each
         attending only itself (flex attention), instead of right-padded to the longest of
         their group; `flex_options`: flex attention's kernel options for the step (e.g.
-        BLOCK_N, num_warps, SPLIT_KV), to tune its decoding kernel."""
+        BLOCK_N, num_warps, SPLIT_KV), to tune its decoding kernel; `refill_at`: free rows
+        are refilled once at least this many are free (or no row is busy)."""
         check_supported(model)
         self.prefill_budget = prefill_positions or PREFILL_POSITIONS_PER_ROW * rows
         self.model, self.rows, self.eos = model, rows, sorted(eos)
@@ -95,6 +99,9 @@ class ContinuousDecoder:
         self.temperature, self.top_p, self.attention = temperature, top_p, attention
         self.flex_options = flex_options
         self.check_every = check_every
+        if not 1 <= refill_at <= rows:
+            raise ConfigError(f"refill_at {refill_at} must be between 1 and the {rows} rows")
+        self.refill_at = refill_at
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = model.config
@@ -119,16 +126,26 @@ class ContinuousDecoder:
         self.step, self.compiled = compiled_steps(self._step, compile), compile
         # the prefill's shapes vary with every refill: compiled for dynamic shapes (no CUDA
         # graph), so a forward is a few fused kernels instead of hundreds of eager ones
-        compile_prefill = compile if compile_prefill is None else compile_prefill
-        self.packed_prefill, self.prefill_compiled = packed_prefill, compile_prefill
-        self.prefill = self._prefill_packed if packed_prefill else self._prefill_rows
-        if compile_prefill:
+        self.set_prefill(packed_prefill, compile if compile_prefill is None else compile_prefill)
+        self.reset_stats()
+
+    def set_prefill(self, packed: bool, compiled: bool) -> None:
+        """The refills' prefill: packed or right-padded, compiled or eager (`warm_up`
+        compiles it ahead of a timed run)."""
+        self.packed_prefill, self.prefill_compiled = packed, compiled
+        self.prefill = self._prefill_packed if packed else self._prefill_rows
+        if compiled:
             self.prefill = torch.compile(self.prefill, dynamic=True)
+
+    def reset_stats(self) -> None:
+        """Zero what `stats()` reports (a bench reuses one decoder for several runs)."""
         self.steps_run = 0
         self.busy_row_steps = 0  # rows holding a request, summed over steps
         self.idle_s = 0.0  # seconds every row sat empty, waiting for a request
         self.attended_columns = 0  # row x column reads of the cache, summed over steps
         self.prompt_tokens = self.prefilled_positions = 0  # real and padded, summed
+        self.prefill_forwards = 0
+        self.clock = PhaseClock(self.device)  # device seconds in "prefill" and "steps"
 
     # ---- the model, layer by layer --------------------------------------------------------
     def _forward(
@@ -233,6 +250,7 @@ class ContinuousDecoder:
         the real tokens and are never attended)."""
         lengths = [len(r.prompt) for r in requests]
         self.prompt_tokens += sum(lengths)
+        self.prefill_forwards += 1
         per_row = torch.tensor(
             [[s, n, r.max_new] for s, n, r in zip(slots, lengths, requests, strict=True)]
         )
@@ -309,7 +327,7 @@ class ContinuousDecoder:
                 on_width("compiling the prefill")
             for n, length in ((1, 9), (3, 17)):  # one row is a graph of its own
                 self._prefill_group(list(range(n)), [Request(None, [0] * length, 2)] * n)
-            self.prompt_tokens = self.prefilled_positions = 0
+            self.reset_stats()
         self.active.zero_()
         if not self.compiled:
             return
@@ -335,7 +353,8 @@ class ContinuousDecoder:
             free = [r for r in range(self.rows) if held[r] is None]
             idle = len(free) == self.rows
             asked = time.perf_counter()
-            fresh = [] if exhausted or not free else take(len(free), idle)
+            waits = exhausted or not free or (len(free) < self.refill_at and not idle)
+            fresh = [] if waits else take(len(free), idle)
             if idle:
                 self.idle_s += time.perf_counter() - asked
             if fresh is None:
@@ -343,7 +362,8 @@ class ContinuousDecoder:
             if fresh:
                 fresh = [self._admitted(r) for r in fresh]
                 slots = free[: len(fresh)]
-                self._prefill(slots, fresh)
+                with self.clock("prefill"):
+                    self._prefill(slots, fresh)
                 for slot, request in zip(slots, fresh, strict=True):
                     held[slot], reach[slot] = request, len(request.prompt)
             if all(h is None for h in held):
@@ -351,13 +371,15 @@ class ContinuousDecoder:
                     return
                 continue
             self.busy_row_steps += (self.rows - held.count(None)) * self.check_every
-            for _ in range(self.check_every):
-                live = self.width if self.attention == "flex" else self._live(max(reach))
-                self.step(live)
-                self.steps_run += 1
-                self.attended_columns += self.rows * live
-                reach = [min(x + 1, self.width - 1) for x in reach]
+            with self.clock("steps"):
+                for _ in range(self.check_every):
+                    live = self.width if self.attention == "flex" else self._live(max(reach))
+                    self.step(live)
+                    self.steps_run += 1
+                    self.attended_columns += self.rows * live
+                    reach = [min(x + 1, self.width - 1) for x in reach]
             active = self.active.tolist()
+            self.clock.settle()
             done = [r for r in range(self.rows) if held[r] is not None and not active[r]]
             if not done:
                 continue
@@ -371,13 +393,19 @@ class ContinuousDecoder:
 
     def stats(self) -> dict[str, float]:
         """What the decoder did so far: steps, the share of row-steps holding a request
-        (the rest: rows that found nothing to decode), seconds with every row empty."""
+        (the rest: rows that found nothing to decode or wait for a refill), seconds with
+        every row empty, and the device's seconds in prefill forwards and in steps."""
         row_steps = self.rows * self.steps_run
+        self.clock.settle()
         return {
             "rows": self.rows,
             "steps": self.steps_run,
             "rows_busy": round(self.busy_row_steps / row_steps, 4) if row_steps else 0.0,
             "idle_s": round(self.idle_s, 1),
+            "refills": self.clock.counts["prefill"],
+            "prefill_forwards": self.prefill_forwards,
+            "prefill_s": round(self.clock.seconds["prefill"], 2),
+            "steps_s": round(self.clock.seconds["steps"], 2),
         }
 
     def _live(self, longest: int) -> int:

@@ -245,6 +245,11 @@ def format_line(st: StageStatus) -> str:
                 f"{d['rows_busy']:.0%}, all rows empty {d['idle_s']:.1f} s of "
                 f"{d['decoding_s']:.1f} s decoding"
             )
+            if "prefill_s" in d:  # recorded since 2026-12-07
+                line += (
+                    f"; device {d['prefill_s']:.1f} s prefilling ({d['refills']} refills, "
+                    f"{d['prefill_forwards']} forwards), {d['steps_s']:.1f} s in steps"
+                )
     if st.prompts:
         p = st.prompts
         dropped = ", ".join(f"{n} {why}" for why, n in sorted(p["dropped"].items()))
