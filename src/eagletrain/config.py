@@ -83,6 +83,10 @@ class RegenerateConfig(ServerConfig):
     # decoder "continuous": a refill's prompts prefilled end to end in one sequence, each
     # attending only itself, instead of right-padded to the longest of their group
     packed_prefill: bool = False
+    # decoder "continuous": refill once this many rows are free (1: at every check), and
+    # the padded positions a prefill forward may hold, per row: fewer, fuller prefills
+    continuous_refill_rows: int = Field(1, ge=1)
+    continuous_prefill_positions: int = Field(16, ge=1)
     # decoder "continuous" on a GPU: the refills' prefill under torch.compile (dynamic
     # shapes): +12% on real prompts for ~110 s of warm-up per process, which a data call
     # with little left to regenerate does not earn back

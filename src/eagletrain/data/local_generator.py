@@ -97,6 +97,8 @@ class LocalGenerator:
                 compile=on_gpu,
                 packed_prefill=cfg.packed_prefill,
                 compile_prefill=on_gpu and cfg.compile_prefill,
+                refill_at=min(cfg.continuous_refill_rows, cfg.batch_size),
+                prefill_positions=cfg.continuous_prefill_positions * cfg.batch_size,
             )
 
     def _sdpa_backends(self) -> contextlib.AbstractContextManager:
