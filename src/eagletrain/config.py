@@ -87,6 +87,7 @@ class RegenerateConfig(ServerConfig):
     # the padded positions a prefill forward may hold, per row: fewer, fuller prefills
     continuous_refill_rows: int = Field(1, ge=1)
     continuous_prefill_positions: int = Field(16, ge=1)
+    continuous_check_every: int = Field(8, ge=1)  # steps between the host's checks
     # decoder "continuous" on a GPU: the refills' prefill under torch.compile (dynamic
     # shapes): +12% on real prompts for ~110 s of warm-up per process, which a data call
     # with little left to regenerate does not earn back

@@ -98,6 +98,7 @@ class LocalGenerator:
                 packed_prefill=cfg.packed_prefill,
                 compile_prefill=on_gpu and cfg.compile_prefill,
                 refill_at=min(cfg.continuous_refill_rows, cfg.batch_size),
+                check_every=cfg.continuous_check_every,
                 prefill_positions=cfg.continuous_prefill_positions * cfg.batch_size,
             )
 

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagletrain.decode.compiled import compiled_steps
@@ -38,6 +39,10 @@ Attention = Literal["sdpa", "flex"]
 # this many positions per decoding row (or one prompt): padding every prompt to the
 # refill's longest cost 5.3 of 12.2 s on an H100 (docs/benchmarks.md)
 PREFILL_POSITIONS_PER_ROW = 16
+# the padded prefill's attention: flash (grouped-query heads and all) and never cuDNN, whose
+# plan for each new (rows, length) shape cost ~100 ms a forward on an H100, 15.4 of a
+# 21.0 s run (docs/benchmarks.md)
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -257,14 +262,16 @@ class ContinuousDecoder:
         if self.packed_prefill:
             self.prefilled_positions += sum(lengths)
             ids = torch.tensor([t for r in requests for t in r.prompt])[None]
-            self.prefill(ids.to(self.device), per_row.to(self.device))
+            with sdpa_kernel(PREFILL_SDPA):
+                self.prefill(ids.to(self.device), per_row.to(self.device))
             return
         longest = max(lengths)
         self.prefilled_positions += longest * len(requests)
         ids = torch.zeros(len(requests), longest, dtype=torch.long)
         for j, r in enumerate(requests):
             ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
-        self.prefill(ids.to(self.device), per_row.to(self.device))
+        with sdpa_kernel(PREFILL_SDPA):
+            self.prefill(ids.to(self.device), per_row.to(self.device))
 
     def _prefill_packed(self, ids: torch.Tensor, per_row: torch.Tensor) -> None:
         """The forward of `_prefill_group`, packed: `ids` [1, total] the prompts end to
