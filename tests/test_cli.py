@@ -134,8 +134,14 @@ def test_changing_a_started_stage_is_refused_unless_operational(tiny_config: Pat
     assert "data.max_length" in result.stderr
     # how the regenerating decoder runs is not what the dataset holds: a later call may
     # change it (on the H100 a data call was refused for compile_prefill, 2026-12-06)
-    how = ["data.regen.compile_prefill=false", "data.regen.packed_prefill=true",
-           "data.regen.continuous_attention=flex"]  # fmt: skip
+    how = [
+        "data.regen.compile_prefill=true",
+        "data.regen.packed_prefill=true",
+        "data.regen.continuous_attention=flex",
+        "data.regen.continuous_refill_rows=64",
+        "data.regen.continuous_prefill_positions=32",
+        "data.regen.continuous_check_every=4",
+    ]
     sets = [a for h in how for a in ("--set", h)]
     result = eagletrain("data", tiny_config, "--run-dir", run, *sets)
     assert result.returncode == 0, result.stderr

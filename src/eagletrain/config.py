@@ -89,9 +89,9 @@ class RegenerateConfig(ServerConfig):
     continuous_prefill_positions: int = Field(16, ge=1)
     continuous_check_every: int = Field(8, ge=1)  # steps between the host's checks
     # decoder "continuous" on a GPU: the refills' prefill under torch.compile (dynamic
-    # shapes): +12% on real prompts for ~110 s of warm-up per process, which a data call
-    # with little left to regenerate does not earn back
-    compile_prefill: bool = True
+    # shapes). Off by default: with refills of 128 rows it gained 1.6% for 234 s of warm-up
+    # per process on an H100 (docs/benchmarks.md, 2026-12-07)
+    compile_prefill: bool = False
     # local mode, decoder "generate": transformers' KV cache ("static" pre-allocates, for
     # GPUs; generated uncompiled: each batch has its own shapes)
     kv_cache: Literal["dynamic", "static"] = "dynamic"
