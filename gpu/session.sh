@@ -120,13 +120,15 @@ data)
   # the faster; DECODER=generate|graphed|continuous picks one; unset, the config's
   start=$SECONDS
   decoder=${DECODER:-}
+  # the scale config's refill policy (docs/benchmarks.md, 2026-12-07)
+  CONTINUOUS=continuous/1024/flex/eager/refill=256/prefill=64/check=16
   if [ "$decoder" = auto ]; then
     timeout "${REGEN_S:-240}" python3 bench/regen_local.py --model "$M" --source /tmp/c/$DATA_FILE \
       --dtype "${DTYPE:-bfloat16}" --prompts "${REGEN_PROMPTS:-1024}" \
-      --max-tokens "${MAX_NEW:-256}" --configs generate/512,continuous/1024/flex \
+      --max-tokens "${MAX_NEW:-256}" --configs generate/512,$CONTINUOUS \
       2>&1 | grep -v -i "warn\|━" | tee $OUT/regen_bench.log
     rate() { sed -n "s|^row $1 .* tok_s=\([0-9]*\) .*|\1|p" $OUT/regen_bench.log; }
-    generate=$(rate generate/512) continuous=$(rate continuous/1024/flex)
+    generate=$(rate generate/512) continuous=$(rate $CONTINUOUS)
     decoder=generate
     if [ "${continuous:-0}" -gt "${generate:-0}" ]; then
       decoder=continuous
