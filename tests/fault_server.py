@@ -1,4 +1,5 @@
-"""A small OpenAI-compatible chat-completions server that misbehaves on purpose.
+"""A small OpenAI-compatible chat-completions server that misbehaves on purpose (and a
+plain text-completions endpoint that does not).
 
 For tests and benchmarks of the regeneration client over a real socket: at `fault_rate`
 a request gets one of 429 with Retry-After, 500, 503, a stall past the client's timeout,
@@ -48,6 +49,7 @@ class ServerStats:
     # (conversation id, assistant turn index) -> clean replies sent
     answered: Counter = field(default_factory=Counter)
     auth_headers: set = field(default_factory=set)
+    prompts: Counter = field(default_factory=Counter)  # text completions: prompt -> requests
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -95,7 +97,10 @@ class _Handler(BaseHTTPRequestHandler):
             )
             if fault:
                 stats.faults[fault] += 1
-        if not self.path.rstrip("/").endswith("/chat/completions"):
+        path = self.path.rstrip("/")
+        if path.endswith("/completions") and not path.endswith("/chat/completions"):
+            return self._text_completion(request)
+        if not path.endswith("/chat/completions"):
             return self._send(404, b'{"error": "not found"}')
         if plan.api_key is not None and self.headers.get("Authorization") != (
             f"Bearer {plan.api_key}"
@@ -152,6 +157,23 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (stall)
             return None
         return None
+
+    def _text_completion(self, request: dict[str, Any]) -> None:
+        """The legacy completions endpoint (prompts the target writes itself), never
+        faulted: its text is its prompt's last line before the user turn, so a test sees
+        which prompt each request carried."""
+        prompt = str(request.get("prompt", ""))
+        with self.server.stats.lock:
+            self.server.stats.prompts[prompt] += 1
+        lines = [line for line in prompt.splitlines() if line.strip()]
+        text = f"Asked after: {lines[-2] if len(lines) > 1 else prompt}"
+        body = {
+            "id": "cmpl-test",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": len(prompt) // 4, "completion_tokens": len(text) // 4},
+        }
+        self._send(200, json.dumps(body).encode())
 
 
 class _Server(ThreadingHTTPServer):

@@ -114,11 +114,28 @@ class SelfPromptConfig(Section):
     max_tokens: int = Field(160, ge=4)  # a request cut off here is dropped as unfinished
     # None: the system header the template renders when a conversation has none
     system_prompt: str | None = None
+    # a mix instead: slot s is written under system_prompts[s % len], so that a system
+    # header per kind of request (writing, maths, code...) steers what the target asks
+    system_prompts: list[str] = []
     min_words: int = Field(3, ge=1)
     # near duplicates: Jaccard similarity of word 3-gram sets (MinHash LSH) at least this
     near_duplicate: float = Field(0.7, gt=0.0, le=1.0)
     batch_size: int = Field(256, ge=1)
     max_attempts: int = Field(10, ge=1)  # texts written per slot before it is given up
+
+    @model_validator(mode="after")
+    def _one_way_to_set_the_system_prompt(self) -> SelfPromptConfig:
+        if self.system_prompt is not None and self.system_prompts:
+            raise ValueError("set data.prompts.system_prompt or system_prompts, not both")
+        if any(not p.strip() for p in self.system_prompts):
+            raise ValueError("data.prompts.system_prompts holds an empty prompt")
+        return self
+
+    def system_prompt_of(self, slot: int) -> str | None:
+        """The system prompt slot `slot` is written under."""
+        if self.system_prompts:
+            return self.system_prompts[slot % len(self.system_prompts)]
+        return self.system_prompt
 
 
 class DataConfig(Section):

@@ -67,6 +67,13 @@ max_attempts = 40
     return path
 
 
+def conn_detail(run: Path, stage: str) -> str:
+    conn = sqlite3.connect(run / "ledger.sqlite")
+    (detail,) = conn.execute("SELECT detail FROM completions WHERE stage=?", (stage,)).fetchone()
+    conn.close()
+    return detail
+
+
 def kept_prompts(run: Path) -> list[tuple[int, str]]:
     conn = sqlite3.connect(run / "ledger.sqlite")
     rows = conn.execute("SELECT slot, text FROM self_prompts WHERE dropped IS NULL ORDER BY slot")
@@ -105,8 +112,49 @@ def test_the_prefix_is_the_template_up_to_the_user_words(chatty_target):
     assert user_turn_prefix(tokenizer, "Be brief.").startswith("<|im_start|>system\nBe brief.")
 
 
+def test_a_mix_of_system_prompts_writes_each_slot_under_its_own(tmp_path, chatty_target):
+    """With `system_prompts`, slot s is written under system_prompts[s % n]: a real
+    completions server on loopback sees each slot's template prefix; the local writer
+    runs the same mixed batch (prefixes of different lengths in one decoder)."""
+    from fault_server import FaultServer
+
+    from eagletrain.config import load_config
+    from eagletrain.data.self_prompts import api_writer, local_writer
+    from eagletrain.target import load_target, load_tokenizer, resolve_target, target_eos
+
+    mix = ["Be brief.", "Write a poem about the sea, please.", "Code."]
+    extra = f"system_prompts = {json.dumps(mix)}"
+    with FaultServer() as server:
+        sets = [f"data.regen.base_url={json.dumps(server.base_url)}", 'data.regen.model="t"']
+        config = load_config(self_config(tmp_path, chatty_target, extra), sets)
+        tokenizer = load_tokenizer(resolve_target(config.target))
+        written = api_writer(tokenizer, config)([(slot, 0) for slot in range(7)])
+        assert [text for text, _, _ in written] == [
+            f"Asked after: {mix[slot % 3]}<|im_end|>" for slot in range(7)
+        ]
+        assert sum(server.stats.prompts.values()) == 7 and len(server.stats.prompts) == 3
+    model = load_target(resolve_target(config.target), "float32", torch.device("cpu"))
+    write = local_writer(model, tokenizer, config, target_eos(model, tokenizer))
+    assert len(write([(slot, 0) for slot in range(7)])) == 7
+
+
+def test_both_system_prompt_settings_or_an_empty_one_are_refused():
+    from pydantic import ValidationError
+
+    from eagletrain.config import SelfPromptConfig
+
+    with pytest.raises(ValidationError, match="system_prompt or system_prompts, not both"):
+        SelfPromptConfig(system_prompt="a", system_prompts=["b"])
+    with pytest.raises(ValidationError, match="holds an empty prompt"):
+        SelfPromptConfig(system_prompts=["b", " "])
+    mix = SelfPromptConfig(system_prompts=["a", "b", "c"])
+    assert [mix.system_prompt_of(s) for s in range(5)] == ["a", "b", "c", "a", "b"]
+
+
 def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chatty_target):
-    config = self_config(tmp_path, chatty_target)
+    config = self_config(
+        tmp_path, chatty_target, 'system_prompts = ["Ask.", "Ask a sum.", "Ask for code."]'
+    )
     run = tmp_path / "run"
     result = eagletrain("data", config, "--run-dir", run)
     assert result.returncode == 0, result.stderr
@@ -132,6 +180,8 @@ def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chat
         r"device \d+\.\d s prefilling \([1-9]\d* refills, [1-9]\d* forwards\)", decoder
     )
     assert detail["records_per_source"] == {"self": 24}
+    tally = json.loads(conn_detail(run, "prompts"))
+    assert tally["kept_per_system_prompt"] == [8, 8, 8]  # slots 0-23, by slot % 3
     assert detail["regenerated_by"].startswith("local:")
     coverage = detail["assistant_tokens"]  # what the replies cover, for the draft vocab
     assert coverage["counted_tokens"] > 0 and 0 < coverage["size_for_0.999"] <= 512

@@ -1,7 +1,8 @@
 """User requests written by the target itself (`data.source = "self"`): the target is
 given its own chat template up to the opening of a user turn (the system header as the
-template renders it, or `data.prompts.system_prompt`) and samples the request, stopping
-at its end of turn. Degenerate text and exact or near duplicates are dropped, each with
+template renders it, `data.prompts.system_prompt`, or one of `system_prompts` by slot: a
+mix steered toward kinds of requests) and samples the request, stopping at its end of
+turn. Degenerate text and exact or near duplicates are dropped, each with
 its reason (dedupe.py).
 
 Each prompt slot is a ledger item of the "prompts" stage; every text written is stored
@@ -71,13 +72,17 @@ def local_writer(model: torch.nn.Module, tokenizer: Any, config: Config, eos: se
     from eagletrain.decode.continuous import ContinuousDecoder, Request, take_from
 
     cfg, seed = config.data.prompts, config.run.seed
-    prefix = tokenizer(user_turn_prefix(tokenizer, cfg.system_prompt), add_special_tokens=False)
-    prefix_ids = prefix["input_ids"]
+    prefixes = {
+        system: tokenizer(user_turn_prefix(tokenizer, system), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for system in (cfg.system_prompts or [cfg.system_prompt])
+    }
     device = next(model.parameters()).device
     decoder = ContinuousDecoder(
         model,
         rows=cfg.batch_size,
-        width=len(prefix_ids) + cfg.max_tokens,
+        width=max(map(len, prefixes.values())) + cfg.max_tokens,
         max_new=cfg.max_tokens,
         eos=eos,
         temperature=cfg.temperature,
@@ -89,7 +94,10 @@ def local_writer(model: torch.nn.Module, tokenizer: Any, config: Config, eos: se
 
     def write(batch: list[tuple[int, int]]) -> list[tuple[str, int, bool]]:
         torch.manual_seed(batch_seed(seed, *batch[0]))
-        requests = [Request(i, prefix_ids, cfg.max_tokens) for i in range(len(batch))]
+        requests = [
+            Request(i, prefixes[cfg.system_prompt_of(slot)], cfg.max_tokens)
+            for i, (slot, _) in enumerate(batch)
+        ]
         done = {f.request.id: f for f in decoder.run(take_from(requests))}
         out = []
         for i in range(len(batch)):
@@ -107,7 +115,6 @@ def api_writer(tokenizer: Any, config: Config) -> Writer:
     from eagletrain.data.api_client import ServerClient
 
     cfg, server = config.data.prompts, config.data.regen
-    prefix = user_turn_prefix(tokenizer, cfg.system_prompt)
 
     def parse(body: dict[str, Any]) -> tuple[str, int, bool]:
         choice = body["choices"][0]
@@ -122,7 +129,7 @@ def api_writer(tokenizer: Any, config: Config) -> Writer:
             payloads = [
                 {
                     "model": server.model,
-                    "prompt": prefix,
+                    "prompt": user_turn_prefix(tokenizer, cfg.system_prompt_of(slot)),
                     "max_tokens": cfg.max_tokens,
                     "temperature": cfg.temperature,
                     "top_p": cfg.top_p,
@@ -176,7 +183,7 @@ def write_prompts(run: Run, make_writer: Callable[[], Writer]) -> None:
             bar.update(task, completed=kept(ledger))
             inject_delay(STAGE)
         worker.sample_now()
-    tally = ledger.prompt_tally()
+    tally = ledger.prompt_tally(mix=len(cfg.system_prompts))
     kept_rows = ledger.kept_prompts()
     digest = hashlib.sha256("\n".join(t for _, t in kept_rows).encode()).hexdigest()[:32]
     ledger.complete(STAGE, len(kept_rows), tally["tokens"], digest, False, tally)

@@ -357,8 +357,9 @@ class Ledger:
         )
         return [(int(slot), text) for slot, text in cur]
 
-    def prompt_tally(self) -> dict[str, Any]:
-        """Written, kept, and dropped by reason, with the tokens written."""
+    def prompt_tally(self, mix: int = 0) -> dict[str, Any]:
+        """Written, kept, and dropped by reason, with the tokens written; with a mix of
+        `mix` system prompts (slot s under prompt s % mix), the prompts kept under each."""
         try:
             rows = self.conn.execute(
                 "SELECT dropped, COUNT(*), SUM(tokens) FROM self_prompts GROUP BY dropped"
@@ -367,12 +368,19 @@ class Ledger:
             rows = []
         dropped = {reason: n for reason, n, _ in rows if reason is not None}
         kept = sum(n for reason, n, _ in rows if reason is None)
-        return {
+        tally = {
             "written": sum(n for _, n, _ in rows),
             "kept": kept,
             "dropped": dropped,
             "tokens": int(sum(t or 0 for _, _, t in rows)),
         }
+        if mix:
+            per = dict(self.conn.execute(
+                "SELECT slot % ?, COUNT(*) FROM self_prompts WHERE dropped IS NULL GROUP BY 1",
+                (mix,),
+            ).fetchall())  # fmt: skip
+            tally["kept_per_system_prompt"] = [per.get(i, 0) for i in range(mix)]
+        return tally
 
     # ---- completion records -------------------------------------------------------------
     def complete(
