@@ -152,9 +152,7 @@ def test_both_system_prompt_settings_or_an_empty_one_are_refused():
 
 
 def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chatty_target):
-    config = self_config(
-        tmp_path, chatty_target, 'system_prompts = ["Ask.", "Ask a sum.", "Ask for code."]'
-    )
+    config = self_config(tmp_path, chatty_target, 'system_prompts = ["Ask.", "Say.", "Go."]')
     run = tmp_path / "run"
     result = eagletrain("data", config, "--run-dir", run)
     assert result.returncode == 0, result.stderr

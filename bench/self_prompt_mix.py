@@ -1,0 +1,147 @@
+"""Does a system header steer what the target asks? Prompts the target writes itself under
+each of several system prompts (`data.prompts.system_prompts`, the local writer of the data
+stage), each judged by the MT-bench category of its nearest MT-bench turn-1 prompt in the
+target's own representation (mean of the last hidden state over the text, cosine).
+
+Prints, per system prompt: the requests written, those the data stage would keep (not
+degenerate, dedupe.py), and the share of kept ones nearest each MT-bench category; then
+two examples each. The headline is the mean share of a category prompt's requests nearest
+its own category, against the template's default header's share of that category,
+printed last as `steered_share=<value>`.
+
+    python bench/self_prompt_mix.py [--per-prompt 16] [--config configs/smollm2-scale.toml]
+
+The headers are the config's `data.prompts.system_prompts` when it sets them, else one per
+MT-bench category (CATEGORY_HEADERS), each naming its category.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from eagletrain.config import load_config
+from eagletrain.data.dedupe import degenerate
+from eagletrain.data.self_prompts import local_writer
+from eagletrain.embedded import embedded_file
+from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target, target_eos
+
+CATEGORY_HEADERS = [
+    "You are a helpful AI assistant. People come to you for help with writing: stories, "
+    "poems, essays, emails and blog posts.",
+    "You are a helpful AI assistant. People ask you to take part in roleplay, playing the "
+    "characters and personas they describe.",
+    "You are a helpful AI assistant. People bring you puzzles and logic questions that need "
+    "careful reasoning.",
+    "You are a helpful AI assistant. People ask you math questions: arithmetic, algebra, "
+    "geometry and probability problems to solve.",
+    "You are a helpful AI assistant. People ask you for help with coding: programs in "
+    "Python, C++, JavaScript and SQL to create, explain or fix.",
+    "You are a helpful AI assistant. People give you texts and ask for the extraction of "
+    "names, dates, numbers and facts, often as JSON.",
+    "You are a helpful AI assistant. People ask you STEM questions about physics, "
+    "chemistry, biology and engineering.",
+    "You are a helpful AI assistant. People ask you about the humanities: history, "
+    "philosophy, economics, law and the arts.",
+]
+
+
+def mtbench() -> list[tuple[str, str]]:
+    """(category, turn-1 text) of the packaged MT-bench."""
+    with embedded_file("mtbench").open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(r["category"], r["turns"][0]) for r in rows]
+
+
+@torch.inference_mode()
+def embed(model, tokenizer, texts: list[str]) -> torch.Tensor:
+    """Unit-norm mean of the final hidden state over each text's tokens."""
+    out = []
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=256)["input_ids"]
+        hidden = model.model(ids.to(model.device)).last_hidden_state[0].float().mean(0)
+        out.append(hidden / hidden.norm())
+    return torch.stack(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/smollm2-scale.toml")
+    parser.add_argument("--per-prompt", type=int, default=16, help="requests per system prompt")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+
+    config = load_config(Path(args.config))
+    cfg = config.data.prompts
+    mix = cfg.system_prompts or CATEGORY_HEADERS
+    headers = [None, *mix]  # None: the template's default header
+    device = pick_device(args.device)
+    source = resolve_target(config.target)
+    tokenizer = load_tokenizer(source)
+    model = load_target(source, args.dtype, device).eval()
+    eos = target_eos(model, tokenizer)
+    # the default header, then the mix (slot s under mix[s % n]): the data stage's writer
+    alone = config.model_copy(deep=True)
+    alone.data.prompts.system_prompt, alone.data.prompts.system_prompts = None, []
+    mixed = config.model_copy(deep=True)
+    mixed.data.prompts.system_prompt, mixed.data.prompts.system_prompts = None, mix
+    by_header: dict[str | None, list[tuple[str, int, bool]]] = {
+        None: local_writer(model, tokenizer, alone, eos)([(s, 0) for s in range(args.per_prompt)])
+    }
+    written = local_writer(model, tokenizer, mixed, eos)(
+        [(s, 0) for s in range(args.per_prompt * len(mix))]
+    )
+    for i, header in enumerate(mix):
+        by_header[header] = written[i :: len(mix)]
+
+    reference = mtbench()
+    categories = sorted({c for c, _ in reference})
+    ref_vectors = embed(model, tokenizer, [t for _, t in reference])
+    table = Table(
+        title=f"requests SmolLM2 writes under each system header ({args.per_prompt} each)"
+    )
+    for col in ("system header", "written", "kept", *categories):
+        table.add_column(col, justify="right")
+    shares: dict[str | None, Counter] = {}
+    examples: dict[str | None, list[str]] = {}
+    for header in headers:
+        texts = [text for text, _, _ in by_header[header]]
+        kept = [t for t, _, ok in by_header[header] if not degenerate(t, ok, cfg.min_words)]
+        nearest = Counter()
+        if kept:
+            sims = embed(model, tokenizer, kept) @ ref_vectors.T
+            nearest = Counter(reference[int(j)][0] for j in sims.argmax(1))
+        shares[header] = Counter({c: n / max(len(kept), 1) for c, n in nearest.items()})
+        examples[header] = kept[:2]
+        name = "(template default)" if header is None else header[:48]
+        table.add_row(name, str(len(texts)), str(len(kept)),
+                      *(f"{shares[header][c]:.0%}" for c in categories))  # fmt: skip
+    Console(width=200).print(table)
+    for header, texts in examples.items():
+        print(f"{header or '(template default)'}:")
+        for t in texts:
+            print(f"    {t[:160]!r}")
+    # a header that names a category: its share of that category against the default's
+    steered, default = [], []
+    for header in mix:
+        named = [c for c in categories if c in header.lower()]
+        if len(named) == 1:
+            steered.append(shares[header][named[0]])
+            default.append(shares[None][named[0]])
+    if steered:
+        mine, base = sum(steered) / len(steered), sum(default) / len(default)
+        ratio = f"{mine / base:.2f}x" if base else "the default had none"
+        print(f"headers naming one category: {mine:.2f} of their requests nearest it, against "
+              f"{base:.2f} of the default header's ({ratio})")  # fmt: skip
+        print(f"steered_share={mine:.3f}")
+
+
+if __name__ == "__main__":
+    main()
