@@ -7,7 +7,8 @@ Prints, per system prompt: the requests written, those the data stage would keep
 degenerate, dedupe.py), and the share of kept ones nearest each MT-bench category; then
 two examples each. The headline is the mean share of a category prompt's requests nearest
 its own category, against the template's default header's share of that category,
-printed last as `steered_share=<value>`.
+printed last as `steered_share=<value>`, with the difference's 95% bootstrap interval
+(requests resampled within each header).
 
     python bench/self_prompt_mix.py [--per-prompt 16] [--config configs/smollm2-scale.toml]
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
+import random
 from pathlib import Path
 
 import torch
@@ -92,6 +93,9 @@ def main() -> None:
     alone.data.prompts.system_prompt, alone.data.prompts.system_prompts = None, []
     mixed = config.model_copy(deep=True)
     mixed.data.prompts.system_prompt, mixed.data.prompts.system_prompts = None, mix
+    # one batch each: as many decoder rows as requests (the config's may be thousands)
+    alone.data.prompts.batch_size = args.per_prompt
+    mixed.data.prompts.batch_size = args.per_prompt * len(mix)
     by_header: dict[str | None, list[tuple[str, int, bool]]] = {
         None: local_writer(model, tokenizer, alone, eos)([(s, 0) for s in range(args.per_prompt)])
     }
@@ -109,38 +113,49 @@ def main() -> None:
     )
     for col in ("system header", "written", "kept", *categories):
         table.add_column(col, justify="right")
-    shares: dict[str | None, Counter] = {}
+    labels: dict[str | None, list[str]] = {}  # each kept request's nearest category
     examples: dict[str | None, list[str]] = {}
     for header in headers:
         texts = [text for text, _, _ in by_header[header]]
         kept = [t for t, _, ok in by_header[header] if not degenerate(t, ok, cfg.min_words)]
-        nearest = Counter()
+        labels[header] = []
         if kept:
             sims = embed(model, tokenizer, kept) @ ref_vectors.T
-            nearest = Counter(reference[int(j)][0] for j in sims.argmax(1))
-        shares[header] = Counter({c: n / max(len(kept), 1) for c, n in nearest.items()})
+            labels[header] = [reference[int(j)][0] for j in sims.argmax(1)]
         examples[header] = kept[:2]
         name = "(template default)" if header is None else header[:48]
         table.add_row(name, str(len(texts)), str(len(kept)),
-                      *(f"{shares[header][c]:.0%}" for c in categories))  # fmt: skip
+                      *(f"{share(labels[header], c):.0%}" for c in categories))  # fmt: skip
     Console(width=200).print(table)
     for header, texts in examples.items():
         print(f"{header or '(template default)'}:")
         for t in texts:
             print(f"    {t[:160]!r}")
-    # a header that names a category: its share of that category against the default's
-    steered, default = [], []
-    for header in mix:
-        named = [c for c in categories if c in header.lower()]
-        if len(named) == 1:
-            steered.append(shares[header][named[0]])
-            default.append(shares[None][named[0]])
-    if steered:
-        mine, base = sum(steered) / len(steered), sum(default) / len(default)
-        ratio = f"{mine / base:.2f}x" if base else "the default had none"
-        print(f"headers naming one category: {mine:.2f} of their requests nearest it, against "
-              f"{base:.2f} of the default header's ({ratio})")  # fmt: skip
-        print(f"steered_share={mine:.3f}")
+    # a header that names one category: its share of that category against the default's
+    pairs = [
+        (h, named[0]) for h in mix if len(named := [c for c in categories if c in h.lower()]) == 1
+    ]
+    if not pairs:
+        return
+
+    def gap(pick) -> tuple[float, float]:
+        mine = sum(share(pick(labels[h]), c) for h, c in pairs) / len(pairs)
+        return mine, sum(share(pick(labels[None]), c) for _, c in pairs) / len(pairs)
+
+    mine, base = gap(lambda xs: xs)
+    rng = random.Random(0)  # requests resampled within each header
+    diffs = sorted(
+        (lambda m, b: m - b)(*gap(lambda xs: rng.choices(xs, k=len(xs)))) for _ in range(2000)
+    )
+    low, high = diffs[49], diffs[1949]
+    print(f"headers naming one category ({len(pairs)}): {mine:.3f} of their requests nearest it, "
+          f"against {base:.3f} of the default header's; difference {mine - base:+.3f} "
+          f"[95% CI {low:+.3f} to {high:+.3f}]")  # fmt: skip
+    print(f"steered_share={mine:.3f}")
+
+
+def share(labels: list[str], category: str) -> float:
+    return labels.count(category) / len(labels) if labels else 0.0
 
 
 if __name__ == "__main__":
