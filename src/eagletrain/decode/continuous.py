@@ -262,8 +262,7 @@ class ContinuousDecoder:
         if self.packed_prefill:
             self.prefilled_positions += sum(lengths)
             ids = torch.tensor([t for r in requests for t in r.prompt])[None]
-            with sdpa_kernel(PREFILL_SDPA):
-                self.prefill(ids.to(self.device), per_row.to(self.device))
+            self.prefill(ids.to(self.device), per_row.to(self.device))  # flex, not SDPA
             return
         longest = max(lengths)
         self.prefilled_positions += longest * len(requests)
