@@ -39,12 +39,7 @@ from rich.table import Table
 from eagletrain.config import RegenerateConfig, TargetConfig
 from eagletrain.data.conversations import read_records
 from eagletrain.data.local_generator import LocalGenerator, length_grouped
-from eagletrain.decode.continuous import (
-    PREFILL_POSITIONS_PER_ROW,
-    ContinuousDecoder,
-    Request,
-    take_from,
-)
+from eagletrain.decode.continuous import ContinuousDecoder, Request, take_from
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target, target_eos
 
 
@@ -134,9 +129,10 @@ def run_continuous(
     decoder = decoders.get(rows, attention)
     compiled = decoder.compiled and "eager" not in options
     decoder.set_prefill("packed" in options, compiled)
-    decoder.refill_at = int(knobs.get("refill", 1))
-    decoder.prefill_budget = int(knobs.get("prefill", PREFILL_POSITIONS_PER_ROW)) * rows
-    decoder.check_every = int(knobs.get("check", 8))
+    names = {"refill": "refill_at", "prefill": "prefill_positions", "check": "check_every"}
+    decoder.set_refills(**{
+        names[k]: int(v) * (rows if k == "prefill" else 1) for k, v in knobs.items()
+    })  # fmt: skip
     start = time.perf_counter()
     decoder.warm_up()  # untimed: the step's graph and a compiled prefill, once a decoder
     sync()

@@ -144,9 +144,8 @@ def main() -> None:
 
     mine, base = gap(lambda xs: xs)
     rng = random.Random(0)  # requests resampled within each header
-    diffs = sorted(
-        (lambda m, b: m - b)(*gap(lambda xs: rng.choices(xs, k=len(xs)))) for _ in range(2000)
-    )
+    resampled = (gap(lambda xs: rng.choices(xs, k=len(xs))) for _ in range(2000))
+    diffs = sorted(m - b for m, b in resampled)
     low, high = diffs[49], diffs[1949]
     print(f"headers naming one category ({len(pairs)}): {mine:.3f} of their requests nearest it, "
           f"against {base:.3f} of the default header's; difference {mine - base:+.3f} "

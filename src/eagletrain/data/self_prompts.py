@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from eagletrain.config import Config
+from eagletrain.config import Config, SelfPromptConfig
 from eagletrain.data.dedupe import Deduplicator, degenerate
 from eagletrain.errors import ConfigError
 from eagletrain.runtime.faults import inject_delay
@@ -49,6 +49,12 @@ def user_turn_prefix(tokenizer: Any, system_prompt: str | None) -> str:
     return text[: text.index(_MARK)]
 
 
+def slot_prefixes(tokenizer: Any, cfg: SelfPromptConfig) -> dict[str | None, str]:
+    """Each system prompt a slot may be written under -> its user-turn prefix."""
+    return {system: user_turn_prefix(tokenizer, system)
+            for system in (cfg.system_prompts or [cfg.system_prompt])}  # fmt: skip
+
+
 def prompt_count(config: Config) -> int:
     """How many prompts the run keeps: data.prompts.count, else data.limit when "self" is
     the only source."""
@@ -73,10 +79,8 @@ def local_writer(model: torch.nn.Module, tokenizer: Any, config: Config, eos: se
 
     cfg, seed = config.data.prompts, config.run.seed
     prefixes = {
-        system: tokenizer(user_turn_prefix(tokenizer, system), add_special_tokens=False)[
-            "input_ids"
-        ]
-        for system in (cfg.system_prompts or [cfg.system_prompt])
+        system: tokenizer(text, add_special_tokens=False)["input_ids"]
+        for system, text in slot_prefixes(tokenizer, cfg).items()
     }
     device = next(model.parameters()).device
     decoder = ContinuousDecoder(
@@ -115,6 +119,7 @@ def api_writer(tokenizer: Any, config: Config) -> Writer:
     from eagletrain.data.api_client import ServerClient
 
     cfg, server = config.data.prompts, config.data.regen
+    prefixes = slot_prefixes(tokenizer, cfg)
 
     def parse(body: dict[str, Any]) -> tuple[str, int, bool]:
         choice = body["choices"][0]
@@ -129,7 +134,7 @@ def api_writer(tokenizer: Any, config: Config) -> Writer:
             payloads = [
                 {
                     "model": server.model,
-                    "prompt": user_turn_prefix(tokenizer, cfg.system_prompt_of(slot)),
+                    "prompt": prefixes[cfg.system_prompt_of(slot)],
                     "max_tokens": cfg.max_tokens,
                     "temperature": cfg.temperature,
                     "top_p": cfg.top_p,

@@ -98,15 +98,11 @@ class ContinuousDecoder:
         BLOCK_N, num_warps, SPLIT_KV), to tune its decoding kernel; `refill_at`: free rows
         are refilled once at least this many are free (or no row is busy)."""
         check_supported(model)
-        self.prefill_budget = prefill_positions or PREFILL_POSITIONS_PER_ROW * rows
         self.model, self.rows, self.eos = model, rows, sorted(eos)
+        self.set_refills(refill_at, prefill_positions, check_every)
         self.width = math.ceil(width / BUCKET) * BUCKET
         self.temperature, self.top_p, self.attention = temperature, top_p, attention
         self.flex_options = flex_options
-        self.check_every = check_every
-        if not 1 <= refill_at <= rows:
-            raise ConfigError(f"refill_at {refill_at} must be between 1 and the {rows} rows")
-        self.refill_at = refill_at
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = model.config
@@ -133,6 +129,17 @@ class ContinuousDecoder:
         # graph), so a forward is a few fused kernels instead of hundreds of eager ones
         self.set_prefill(packed_prefill, compile if compile_prefill is None else compile_prefill)
         self.reset_stats()
+
+    def set_refills(
+        self, refill_at: int = 1, prefill_positions: int | None = None, check_every: int = 8
+    ) -> None:
+        """When and how rows are refilled (the host's side: no recompilation): once
+        `refill_at` rows are free, in forwards of at most `prefill_positions` positions
+        (default 16 a row), the host checking every `check_every` steps."""
+        if not 1 <= refill_at <= self.rows:
+            raise ConfigError(f"refill_at {refill_at} must be between 1 and the {self.rows} rows")
+        self.refill_at, self.check_every = refill_at, check_every
+        self.prefill_budget = prefill_positions or PREFILL_POSITIONS_PER_ROW * self.rows
 
     def set_prefill(self, packed: bool, compiled: bool) -> None:
         """The refills' prefill: packed or right-padded, compiled or eager (`warm_up`
@@ -402,16 +409,17 @@ class ContinuousDecoder:
         (the rest: rows that found nothing to decode or wait for a refill), seconds with
         every row empty, and the device's seconds in prefill forwards and in steps."""
         row_steps = self.rows * self.steps_run
-        self.clock.settle()
+        # the device seconds settled at the run's checks: this may be called from another
+        # thread while the run goes on, so it reads and never settles
         return {
             "rows": self.rows,
             "steps": self.steps_run,
             "rows_busy": round(self.busy_row_steps / row_steps, 4) if row_steps else 0.0,
             "idle_s": round(self.idle_s, 1),
-            "refills": self.clock.counts["prefill"],
+            "refills": self.clock.counts.get("prefill", 0),
             "prefill_forwards": self.prefill_forwards,
-            "prefill_s": round(self.clock.seconds["prefill"], 2),
-            "steps_s": round(self.clock.seconds["steps"], 2),
+            "prefill_s": round(self.clock.seconds.get("prefill", 0), 2),
+            "steps_s": round(self.clock.seconds.get("steps", 0), 2),
         }
 
     def _live(self, longest: int) -> int:
