@@ -407,10 +407,9 @@ class ContinuousDecoder:
     def stats(self) -> dict[str, float]:
         """What the decoder did so far: steps, the share of row-steps holding a request
         (the rest: rows that found nothing to decode or wait for a refill), seconds with
-        every row empty, and the device's seconds in prefill forwards and in steps."""
+        every row empty, and the device's seconds in prefill forwards and in steps as the
+        run's checks settled them (other threads call this mid-run: it never settles)."""
         row_steps = self.rows * self.steps_run
-        # the device seconds settled at the run's checks: this may be called from another
-        # thread while the run goes on, so it reads and never settles
         return {
             "rows": self.rows,
             "steps": self.steps_run,
