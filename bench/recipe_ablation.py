@@ -15,12 +15,15 @@ its step in flight: the same command again resumes every copy where it stopped.
 
 Prints a table, then `chain_tau_ratio_best=<ratio>` last: the best variant's held-out
 chain tau against the first variant's (the baseline) at the last evaluation both reached.
+The table also pairs each variant with the first on the same held-out rows (each
+evaluation's per-row figures, train/heldout_rows.jsonl): a ratio with its 95% interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -35,11 +38,13 @@ from rich.console import Console
 from rich.table import Table
 
 from eagletrain.config import load_config
+from eagletrain.decode.acceptance import paired_tau_ratio
 from eagletrain.report import read_metrics
 from eagletrain.runtime.ledger import Ledger
 from eagletrain.runtime.rundir import CONFIG_NAME
 from eagletrain.runtime.status import stage_status
 from eagletrain.target import resolve_target
+from eagletrain.train.log import HELDOUT_ROWS
 
 
 @dataclass
@@ -148,6 +153,25 @@ def figures(variant: Variant) -> dict:
     }
 
 
+def heldout_rows(variant: Variant) -> dict[int, list[tuple[int, int]]]:
+    """Each evaluation's per-row replayed chain (tokens, cycles), by step."""
+    path = variant.directory / "train" / HELDOUT_ROWS
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return {r["step"]: r["rows"] for r in map(json.loads, lines)}
+
+
+def paired_against(base: Variant, variant: Variant) -> str:
+    """The variant's chain tau against the base's at the last step both evaluated, paired
+    over the same held-out rows, with its 95% interval."""
+    mine, theirs = heldout_rows(variant), heldout_rows(base)
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        return "-"
+    step = common[-1]
+    ratio, low, high = paired_tau_ratio(theirs[step], mine[step])
+    return f"{ratio:.3f}x [{low:.3f}-{high:.3f}] @{step}"
+
+
 def report(variants: list[Variant]) -> None:
     results = {v.name: figures(v) for v in variants}
     base = results[variants[0].name]
@@ -156,6 +180,7 @@ def report(variants: list[Variant]) -> None:
         "variant", "overrides", "steps", "s/step", "chain tau @ step",
         "last chain tau [95% CI over rows]", "simulated tau",
         "acc_0", "held-out samples", "chain tau vs first",
+        "paired vs first [95% CI]",
     ):  # fmt: skip
         table.add_column(column)
     ratios = {}
@@ -178,6 +203,7 @@ def report(variants: list[Variant]) -> None:
             f"{last['heldout_acc'][0]:.3f}" if last else "-",
             str(last.get("heldout_samples", "-")),
             f"{ratios[variant.name]:.3f}x (evaluation {common})" if common else "-",
+            paired_against(variants[0], variant),
         )
     Console(width=200).print(table)
     others = {k: v for k, v in ratios.items() if k != variants[0].name}

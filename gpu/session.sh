@@ -236,6 +236,7 @@ ablation)
   sort -t, -k2 -n $OUT/gpu_use.csv | tail -1 | sed 's/^/peak memory sample: /'
   for d in /tmp/q.ablation/*/; do
     gzip -c "$d/train/metrics.jsonl" > "$OUT/metrics-$(basename "$d").jsonl.gz"
+    gzip -c "$d/train/heldout_rows.jsonl" > "$OUT/heldout_rows-$(basename "$d").jsonl.gz"
   done ;;
 trainbench)
   # bench/train_online.py on the run's data (a kept data stage: .carry/r): the target's

@@ -208,6 +208,9 @@ class TrainConfig(Section):
     # the full target vocabulary is valid
     draft_vocab_size: int | Literal["auto"] = "auto"
     draft_vocab_coverage: float = Field(0.999, gt=0.0, le=1.0)
+    # the drafter's MLP width (None: the target's): a capacity lever that vLLM and SGLang
+    # read from the export's config like any Llama layer's
+    draft_intermediate_size: int | None = Field(None, ge=1)
     ttt_steps: int = Field(7, ge=1)
     step_weight_decay: float = Field(0.8, gt=0.0)
     epochs: int = Field(1, ge=1)

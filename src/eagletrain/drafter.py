@@ -144,8 +144,10 @@ def drafter_config(
     draft_vocab_size: int,
     aux_layer_ids: list[int],
     norm_before_residual: bool = False,
+    intermediate_size: int | None = None,
 ) -> LlamaConfig:
-    """The drafter's config, derived from the target's (one decoder layer, same shapes)."""
+    """The drafter's config, derived from the target's (one decoder layer, same shapes; the
+    MLP `intermediate_size` wide if given)."""
     head_dim = getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads
     rope = getattr(target, "rope_parameters", None) or {
         "rope_type": "default",
@@ -154,7 +156,7 @@ def drafter_config(
     }
     return LlamaConfig(
         hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size,
+        intermediate_size=intermediate_size or target.intermediate_size,
         num_attention_heads=target.num_attention_heads,
         num_key_value_heads=target.num_key_value_heads,
         head_dim=head_dim,

@@ -59,6 +59,14 @@ def test_kill_during_training_resumes_to_the_same_loss_curve(tiny_config: Path, 
     assert [s for s, _ in evals[0]] == [s for s, _ in evals[1]]
     for (_, want), (_, have) in zip(*evals, strict=True):
         assert abs(want - have) <= 1e-6
+    # each evaluation's per-row figures once, as in metrics.jsonl
+    rows = [
+        (run / "train" / "heldout_rows.jsonl").read_text().splitlines()
+        for run in (straight, killed)
+    ]
+    assert [[json.loads(r)["step"] for r in lines] for lines in rows] == [
+        [s for s, _ in evals[0]]
+    ] * 2
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -107,6 +115,7 @@ def test_best_heldout_evaluation_selects_the_checkpoint(tiny_config: Path, tmp_p
     run = tmp_path / "run"
     _prepare(tiny_config, run)
     overrides = ["--set", "train.epochs=3", "--set", "train.eval_every=2"]
+    overrides += ["--set", "train.draft_intermediate_size=96"]  # the target's is 128
     result = eagletrain("train", tiny_config, "--run-dir", run, *overrides)
     assert result.returncode == 0, result.stderr
     steps = sorted(train_losses(run))
@@ -118,13 +127,23 @@ def test_best_heldout_evaluation_selects_the_checkpoint(tiny_config: Path, tmp_p
     summary = json.loads((run / "train" / "checkpoint" / "train_summary.json").read_text())
     assert summary["steps"] == best_step
     assert summary["simulated_acceptance_length"] == best_tau
-    # each evaluation's replayed chain tau comes with its bootstrap interval over rows
+    config = json.loads((run / "train" / "checkpoint" / "drafter_config.json").read_text())
+    assert config["intermediate_size"] == 96
+    # each evaluation's replayed chain tau comes with its bootstrap interval over rows, and
+    # its rows' own (tokens, cycles) sum to it
+    lines = (run / "train" / "heldout_rows.jsonl").read_text().splitlines()
+    per_step = {r["step"]: r["rows"] for r in map(json.loads, lines)}
+    assert sorted(per_step) == expected
     for record in map(json.loads, (run / "train" / "metrics.jsonl").read_text().splitlines()):
         if "eval" in record:
             figures = record["eval"]
             low, high = figures["chain_tau_ci"]
             assert 1.0 <= low <= figures["chain_tau"] <= high, figures
-            assert figures["chain_rows"] >= 1
+            rows = per_step[record["step"]]
+            assert figures["chain_rows"] == len(rows) >= 1
+            assert figures["chain_cycles"] == sum(c for _, c in rows)
+            tau = sum(t for t, _ in rows) / figures["chain_cycles"]
+            assert tau == pytest.approx(figures["chain_tau"])
 
     board = EventAccumulator(str(run / "train" / "tensorboard"))
     board.Reload()

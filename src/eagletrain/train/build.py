@@ -195,7 +195,13 @@ def build(
         "train_coverage": coverage(token_counts, size),
         **coverage_curve(token_counts),
     }
-    dcfg = drafter_config(target_config, size, meta["aux_layer_ids"], tc.norm_before_residual)
+    dcfg = drafter_config(
+        target_config,
+        size,
+        meta["aux_layer_ids"],
+        tc.norm_before_residual,
+        tc.draft_intermediate_size,
+    )
     drafter = Eagle3Drafter(dcfg)
     drafter.set_draft_vocab(draft_ids)
     set_ttt_attention(drafter, tc.ttt_attention)

@@ -60,6 +60,7 @@ def evaluate_heldout(
         "chain_cycles": chain_cycles,
         "chain_rows": len(per_row),
         "heldout_samples": len(batcher.data),
+        "chain_per_row": per_row,  # for paired comparisons of runs on the same rows
     }
 
 

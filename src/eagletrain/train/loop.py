@@ -54,7 +54,8 @@ class BestCheckpoint:
             "heldout" if parts.heldout is not parts.train else ("train (no heldout)")
         )
         figures["world_size"] = parallel.world
-        log.evaluation(step, figures)
+        rows = figures.pop("chain_per_row")
+        log.evaluation(step, figures, rows)
         tau = figures["simulated_acceptance_length"]
         if self.best is not None and tau <= self.best["simulated_acceptance_length"]:
             return
