@@ -166,7 +166,9 @@ class _Handler(BaseHTTPRequestHandler):
         with self.server.stats.lock:
             self.server.stats.prompts[prompt] += 1
         lines = [line for line in prompt.splitlines() if line.strip()]
-        text = f"Asked after: {lines[-2] if len(lines) > 1 else prompt}"
+        # the system header's line (lines[1] of a ChatML prefix), after a space as a
+        # continuation's first token would have
+        text = f" Asked after: {lines[1] if len(lines) > 1 else prompt}"
         body = {
             "id": "cmpl-test",
             "object": "text_completion",

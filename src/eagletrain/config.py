@@ -117,7 +117,10 @@ class SelfPromptConfig(Section):
     # a mix instead: slot s is written under system_prompts[s % len], so that a system
     # header per kind of request (writing, maths, code...) steers what the target asks
     system_prompts: list[str] = []
-    min_words: int = Field(3, ge=1)
+    # slot s's request begins with openings[s % len] and the target writes the rest: a kind
+    # of request forced, where a system header only suggested it (it barely steers SmolLM2)
+    openings: list[str] = []
+    min_words: int = Field(3, ge=1)  # the target's own words, after any opening
     # near duplicates: Jaccard similarity of word 3-gram sets (MinHash LSH) at least this
     near_duplicate: float = Field(0.7, gt=0.0, le=1.0)
     batch_size: int = Field(256, ge=1)
@@ -129,6 +132,8 @@ class SelfPromptConfig(Section):
             raise ValueError("set data.prompts.system_prompt or system_prompts, not both")
         if any(not p.strip() for p in self.system_prompts):
             raise ValueError("data.prompts.system_prompts holds an empty prompt")
+        if any(not p.strip() for p in self.openings):
+            raise ValueError("data.prompts.openings holds an empty opening")
         return self
 
     def system_prompt_of(self, slot: int) -> str | None:
@@ -136,6 +141,10 @@ class SelfPromptConfig(Section):
         if self.system_prompts:
             return self.system_prompts[slot % len(self.system_prompts)]
         return self.system_prompt
+
+    def opening_of(self, slot: int) -> str:
+        """The words slot `slot`'s request begins with ("": the target writes all of it)."""
+        return self.openings[slot % len(self.openings)].strip() if self.openings else ""
 
 
 class DataConfig(Section):

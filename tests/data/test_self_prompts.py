@@ -138,6 +138,38 @@ def test_a_mix_of_system_prompts_writes_each_slot_under_its_own(tmp_path, chatty
     assert len(write([(slot, 0) for slot in range(7)])) == 7
 
 
+def test_openings_begin_each_slots_request_under_its_system_prompt(tmp_path, chatty_target):
+    """With `openings`, slot s's request begins with openings[s % n]: the completions
+    server sees each slot's header prefix followed by its opening, and the request kept is
+    the opening followed by what the target wrote; the local writer the same."""
+    from collections import Counter
+
+    from fault_server import FaultServer
+
+    from eagletrain.config import load_config
+    from eagletrain.data.self_prompts import api_writer, local_writer
+    from eagletrain.target import load_target, load_tokenizer, resolve_target, target_eos
+
+    mix, openings = ["Be brief.", "Code.", "Go."], ["Tell me", "Explain why "]
+    extra = f"system_prompts = {json.dumps(mix)}\nopenings = {json.dumps(openings)}"
+    with FaultServer() as server:
+        sets = [f"data.regen.base_url={json.dumps(server.base_url)}", 'data.regen.model="t"']
+        config = load_config(self_config(tmp_path, chatty_target, extra), sets)
+        tokenizer = load_tokenizer(resolve_target(config.target))
+        written = api_writer(tokenizer, config)([(slot, 0) for slot in range(8)])
+        opening = [openings[slot % 2].strip() for slot in range(8)]
+        assert [text for text, _, _ in written] == [
+            f"{opening[slot]} Asked after: {mix[slot % 3]}<|im_end|>" for slot in range(8)
+        ]
+        assert server.stats.prompts == Counter(
+            user_turn_prefix(tokenizer, mix[slot % 3]) + opening[slot] for slot in range(8)
+        )
+    model = load_target(resolve_target(config.target), "float32", torch.device("cpu"))
+    write = local_writer(model, tokenizer, config, target_eos(model, tokenizer))
+    texts = [text for text, _, _ in write([(slot, 0) for slot in range(8)])]
+    assert all(t.startswith(opening[slot]) for slot, t in enumerate(texts)), texts
+
+
 def test_both_system_prompt_settings_or_an_empty_one_are_refused():
     from pydantic import ValidationError
 
@@ -147,12 +179,18 @@ def test_both_system_prompt_settings_or_an_empty_one_are_refused():
         SelfPromptConfig(system_prompt="a", system_prompts=["b"])
     with pytest.raises(ValidationError, match="holds an empty prompt"):
         SelfPromptConfig(system_prompts=["b", " "])
-    mix = SelfPromptConfig(system_prompts=["a", "b", "c"])
+    with pytest.raises(ValidationError, match="holds an empty opening"):
+        SelfPromptConfig(openings=["Write", ""])
+    mix = SelfPromptConfig(system_prompts=["a", "b", "c"], openings=["Write ", "Solve"])
     assert [mix.system_prompt_of(s) for s in range(5)] == ["a", "b", "c", "a", "b"]
+    assert [mix.opening_of(s) for s in range(3)] == ["Write", "Solve", "Write"]
+    assert SelfPromptConfig().opening_of(4) == ""
 
 
 def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chatty_target):
-    config = self_config(tmp_path, chatty_target, 'system_prompts = ["Ask.", "Say.", "Go."]')
+    openings = ["Name", "List"]  # a tiny random model answers some of these
+    extra = f'system_prompts = ["Ask.", "Say.", "Go."]\nopenings = {json.dumps(openings)}'
+    config = self_config(tmp_path, chatty_target, extra)
     run = tmp_path / "run"
     result = eagletrain("data", config, "--run-dir", run)
     assert result.returncode == 0, result.stderr
@@ -180,6 +218,10 @@ def test_prompts_are_ledger_items_counted_by_reason_then_answered(tmp_path, chat
     assert detail["records_per_source"] == {"self": 24}
     tally = json.loads(conn_detail(run, "prompts"))
     assert tally["kept_per_system_prompt"] == [8, 8, 8]  # slots 0-23, by slot % 3
+    assert tally["kept_per_opening"] == [12, 12]
+    assert all(t.startswith(openings[s % 2]) for s, t in kept)
+    # the target's own words after the opening count toward min_words (1): none is bare
+    assert not any(t in openings for _, t in kept)
     assert detail["regenerated_by"].startswith("local:")
     coverage = detail["assistant_tokens"]  # what the replies cover, for the draft vocab
     assert coverage["counted_tokens"] > 0 and 0 < coverage["size_for_0.999"] <= 512

@@ -1,9 +1,10 @@
 """User requests written by the target itself (`data.source = "self"`): the target is
 given its own chat template up to the opening of a user turn (the system header as the
 template renders it, `data.prompts.system_prompt`, or one of `system_prompts` by slot: a
-mix steered toward kinds of requests) and samples the request, stopping at its end of
-turn. Degenerate text and exact or near duplicates are dropped, each with
-its reason (dedupe.py).
+mix steered toward kinds of requests), then the slot's opening words if `openings` are
+set (a kind of request forced), and samples the rest of the request, stopping at its end
+of turn. Degenerate text and exact or near duplicates are dropped, each with its reason
+(dedupe.py).
 
 Each prompt slot is a ledger item of the "prompts" stage; every text written is stored
 with its slot, attempt and fate in one transaction per batch, so a killed run resumes with
@@ -49,10 +50,17 @@ def user_turn_prefix(tokenizer: Any, system_prompt: str | None) -> str:
     return text[: text.index(_MARK)]
 
 
-def slot_prefixes(tokenizer: Any, cfg: SelfPromptConfig) -> dict[str | None, str]:
-    """Each system prompt a slot may be written under -> its user-turn prefix."""
-    return {system: user_turn_prefix(tokenizer, system)
-            for system in (cfg.system_prompts or [cfg.system_prompt])}  # fmt: skip
+def slot_prefix(tokenizer: Any, cfg: SelfPromptConfig) -> Callable[[int], str]:
+    """slot -> the text the target continues: the user-turn prefix under the slot's system
+    prompt, then its opening (each distinct prefix rendered once)."""
+    turns = {system: user_turn_prefix(tokenizer, system)
+             for system in (cfg.system_prompts or [cfg.system_prompt])}  # fmt: skip
+    return lambda slot: turns[cfg.system_prompt_of(slot)] + cfg.opening_of(slot)
+
+
+def with_opening(cfg: SelfPromptConfig, slot: int, written: str) -> str:
+    """The whole request: the slot's opening, then what the target wrote after it."""
+    return (cfg.opening_of(slot) + written).strip()
 
 
 def prompt_count(config: Config) -> int:
@@ -78,15 +86,17 @@ def local_writer(model: torch.nn.Module, tokenizer: Any, config: Config, eos: se
     from eagletrain.decode.continuous import ContinuousDecoder, Request, take_from
 
     cfg, seed = config.data.prompts, config.run.seed
-    prefixes = {
-        system: tokenizer(text, add_special_tokens=False)["input_ids"]
-        for system, text in slot_prefixes(tokenizer, cfg).items()
-    }
+    prefix_text = slot_prefix(tokenizer, cfg)
+    kinds = len(cfg.system_prompts or [None]) * len(cfg.openings or [""])
+    # a slot's prefix is its kind's: slot % kinds (kinds cycle together at that period)
+    prefixes = [
+        tokenizer(prefix_text(kind), add_special_tokens=False)["input_ids"] for kind in range(kinds)
+    ]
     device = next(model.parameters()).device
     decoder = ContinuousDecoder(
         model,
         rows=cfg.batch_size,
-        width=max(map(len, prefixes.values())) + cfg.max_tokens,
+        width=max(map(len, prefixes)) + cfg.max_tokens,
         max_new=cfg.max_tokens,
         eos=eos,
         temperature=cfg.temperature,
@@ -99,14 +109,13 @@ def local_writer(model: torch.nn.Module, tokenizer: Any, config: Config, eos: se
     def write(batch: list[tuple[int, int]]) -> list[tuple[str, int, bool]]:
         torch.manual_seed(batch_seed(seed, *batch[0]))
         requests = [
-            Request(i, prefixes[cfg.system_prompt_of(slot)], cfg.max_tokens)
-            for i, (slot, _) in enumerate(batch)
+            Request(i, prefixes[slot % kinds], cfg.max_tokens) for i, (slot, _) in enumerate(batch)
         ]
         done = {f.request.id: f for f in decoder.run(take_from(requests))}
         out = []
-        for i in range(len(batch)):
+        for i, (slot, _) in enumerate(batch):
             tokens = done[i].tokens[:-1] if done[i].stopped else done[i].tokens
-            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            text = with_opening(cfg, slot, tokenizer.decode(tokens, skip_special_tokens=True))
             out.append((text, len(done[i].tokens), done[i].stopped))
         return out
 
@@ -119,7 +128,7 @@ def api_writer(tokenizer: Any, config: Config) -> Writer:
     from eagletrain.data.api_client import ServerClient
 
     cfg, server = config.data.prompts, config.data.regen
-    prefixes = slot_prefixes(tokenizer, cfg)
+    prefix_text = slot_prefix(tokenizer, cfg)
 
     def parse(body: dict[str, Any]) -> tuple[str, int, bool]:
         choice = body["choices"][0]
@@ -127,14 +136,14 @@ def api_writer(tokenizer: Any, config: Config) -> Writer:
         if not isinstance(text, str):
             raise ValueError("no text")
         tokens = int((body.get("usage") or {}).get("completion_tokens") or 0)
-        return text.strip(), tokens, choice.get("finish_reason") == "stop"
+        return text, tokens, choice.get("finish_reason") == "stop"
 
     async def main(batch: list[tuple[int, int]]) -> list[tuple[str, int, bool]]:
         async with ServerClient(server, config.run.seed) as client:
             payloads = [
                 {
                     "model": server.model,
-                    "prompt": prefixes[cfg.system_prompt_of(slot)],
+                    "prompt": prefix_text(slot),
                     "max_tokens": cfg.max_tokens,
                     "temperature": cfg.temperature,
                     "top_p": cfg.top_p,
@@ -142,8 +151,12 @@ def api_writer(tokenizer: Any, config: Config) -> Writer:
                 }
                 for slot, attempt in batch
             ]
-            return list(await asyncio.gather(*(client.post("completions", p, parse)
-                                               for p in payloads)))  # fmt: skip
+            written = await asyncio.gather(*(client.post("completions", p, parse)
+                                             for p in payloads))  # fmt: skip
+            return [
+                (with_opening(cfg, slot, text), tokens, finished)
+                for (slot, _), (text, tokens, finished) in zip(batch, written, strict=True)
+            ]
 
     return lambda batch: asyncio.run(main(batch))
 
@@ -181,14 +194,21 @@ def write_prompts(run: Run, make_writer: Callable[[], Writer]) -> None:
             batch = [(i.ord, i.attempts) for i in pending[: cfg.batch_size]]
             rows = []
             for (slot, attempt), (text, tokens, finished) in zip(batch, writer(batch), strict=True):
-                reason = degenerate(text, finished, cfg.min_words) or dedupe.duplicate(text)
+                # min_words of the target's own, after the slot's opening
+                least = cfg.min_words + len(cfg.opening_of(slot).split())
+                reason = degenerate(text, finished, least) or dedupe.duplicate(text)
                 rows.append((slot, attempt, text, tokens, reason))
             ledger.save_prompts(STAGE, worker.id, rows, cfg.max_attempts)
             worker.progressed()
             bar.update(task, completed=kept(ledger))
             inject_delay(STAGE)
         worker.sample_now()
-    tally = ledger.prompt_tally(mix=len(cfg.system_prompts))
+    tally = ledger.prompt_tally(
+        mixes={
+            "kept_per_system_prompt": len(cfg.system_prompts),
+            "kept_per_opening": len(cfg.openings),
+        }
+    )
     kept_rows = ledger.kept_prompts()
     digest = hashlib.sha256("\n".join(t for _, t in kept_rows).encode()).hexdigest()[:32]
     ledger.complete(STAGE, len(kept_rows), tally["tokens"], digest, False, tally)

@@ -357,9 +357,9 @@ class Ledger:
         )
         return [(int(slot), text) for slot, text in cur]
 
-    def prompt_tally(self, mix: int = 0) -> dict[str, Any]:
-        """Written, kept, and dropped by reason, with the tokens written; with a mix of
-        `mix` system prompts (slot s under prompt s % mix), the prompts kept under each."""
+    def prompt_tally(self, mixes: dict[str, int] | None = None) -> dict[str, Any]:
+        """Written, kept, and dropped by reason, with the tokens written; for each mix
+        (name -> n kinds, slot s of kind s % n), the prompts kept of each kind."""
         try:
             rows = self.conn.execute(
                 "SELECT dropped, COUNT(*), SUM(tokens) FROM self_prompts GROUP BY dropped"
@@ -374,12 +374,14 @@ class Ledger:
             "dropped": dropped,
             "tokens": int(sum(t or 0 for _, _, t in rows)),
         }
-        if mix:
+        for name, mix in (mixes or {}).items():
+            if not mix:
+                continue
             per = dict(self.conn.execute(
                 "SELECT slot % ?, COUNT(*) FROM self_prompts WHERE dropped IS NULL GROUP BY 1",
                 (mix,),
             ).fetchall())  # fmt: skip
-            tally["kept_per_system_prompt"] = [per.get(i, 0) for i in range(mix)]
+            tally[name] = [per.get(i, 0) for i in range(mix)]
         return tally
 
     # ---- completion records -------------------------------------------------------------
