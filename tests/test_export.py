@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_drafter import tiny_drafter
 
+from eagletrain.drafter import Eagle3Drafter, drafter_config
 from eagletrain.export import ExportError, load_exported, write_format
+from eagletrain.train.ttt import shift
 
 SGLANG_TENSORS = {
     "fc.weight",
@@ -104,3 +106,32 @@ def test_missing_layer_ids_are_refused_not_defaulted(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="no explicit aux layer ids"):
         load_exported(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
+def test_a_wider_mlp_exports_and_loads_as_the_same_function(tmp_path, fmt):
+    """train.draft_intermediate_size: the export carries the width, and a drafter widened
+    with zero units (the same function) loads back computing what the narrow one does."""
+    from test_drafter import tiny_llama_config
+
+    narrow, embed = tiny_drafter()
+    wide = Eagle3Drafter(drafter_config(tiny_llama_config(), 20, [1, 3, 4], intermediate_size=96))
+    wide = wide.double()
+    state = {k: v.clone() for k, v in narrow.state_dict().items()}
+    for name in ("gate_proj", "up_proj"):  # rows 64-95 zero: act(0) * 0 = 0
+        key = f"midlayer.mlp.{name}.weight"
+        state[key] = torch.cat([state[key], torch.zeros(32, 32, dtype=torch.float64)])
+    key = "midlayer.mlp.down_proj.weight"
+    state[key] = torch.cat([state[key], torch.zeros(32, 32, dtype=torch.float64)], dim=1)
+    wide.load_state_dict(state)
+    write_format(wide, tmp_path, fmt, "target")
+    config = json.loads((tmp_path / "config.json").read_text())
+    layer = config.get("transformer_layer_config", config)
+    assert layer["intermediate_size"] == 96
+    loaded = load_exported(tmp_path).double()
+    aux = torch.randn(1, 6, 3 * 32, dtype=torch.float64)
+    tokens, positions = torch.randint(0, 50, (1, 6)), torch.arange(6)[None]
+    outs = [
+        d.step_ttt(d.fc(aux), embed(shift(tokens, 1)), positions, [])[0] for d in (narrow, loaded)
+    ]
+    torch.testing.assert_close(outs[0], outs[1])
