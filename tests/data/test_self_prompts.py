@@ -112,36 +112,12 @@ def test_the_prefix_is_the_template_up_to_the_user_words(chatty_target):
     assert user_turn_prefix(tokenizer, "Be brief.").startswith("<|im_start|>system\nBe brief.")
 
 
-def test_a_mix_of_system_prompts_writes_each_slot_under_its_own(tmp_path, chatty_target):
-    """With `system_prompts`, slot s is written under system_prompts[s % n]: a real
-    completions server on loopback sees each slot's template prefix; the local writer
-    runs the same mixed batch (prefixes of different lengths in one decoder)."""
-    from fault_server import FaultServer
-
-    from eagletrain.config import load_config
-    from eagletrain.data.self_prompts import api_writer, local_writer
-    from eagletrain.target import load_target, load_tokenizer, resolve_target, target_eos
-
-    mix = ["Be brief.", "Write a poem about the sea, please.", "Code."]
-    extra = f"system_prompts = {json.dumps(mix)}"
-    with FaultServer() as server:
-        sets = [f"data.regen.base_url={json.dumps(server.base_url)}", 'data.regen.model="t"']
-        config = load_config(self_config(tmp_path, chatty_target, extra), sets)
-        tokenizer = load_tokenizer(resolve_target(config.target))
-        written = api_writer(tokenizer, config)([(slot, 0) for slot in range(7)])
-        assert [text for text, _, _ in written] == [
-            f"Asked after: {mix[slot % 3]}<|im_end|>" for slot in range(7)
-        ]
-        assert sum(server.stats.prompts.values()) == 7 and len(server.stats.prompts) == 3
-    model = load_target(resolve_target(config.target), "float32", torch.device("cpu"))
-    write = local_writer(model, tokenizer, config, target_eos(model, tokenizer))
-    assert len(write([(slot, 0) for slot in range(7)])) == 7
-
-
-def test_openings_begin_each_slots_request_under_its_system_prompt(tmp_path, chatty_target):
-    """With `openings`, slot s's request begins with openings[s % n]: the completions
-    server sees each slot's header prefix followed by its opening, and the request kept is
-    the opening followed by what the target wrote; the local writer the same."""
+def test_each_slot_is_written_under_its_system_prompt_and_opening(tmp_path, chatty_target):
+    """With `system_prompts` and `openings`, slot s is written under system_prompts[s % n]
+    and its request begins with openings[s % m]: a real completions server on loopback sees
+    each slot's template prefix followed by its opening, and the request kept is the
+    opening followed by what the target wrote; the local writer runs the same mixed batch
+    (prefixes of different lengths in one decoder) and keeps each slot's opening."""
     from collections import Counter
 
     from fault_server import FaultServer
