@@ -7,12 +7,13 @@ its nearest MT-bench turn-1 prompt in the target's own representation (mean of t
 hidden state over the text, cosine). An opening is part of the request judged: it forces
 the kind of request by construction, so its figure says how far the rest follows.
 
-Prints, per kind: the requests written, those the data stage would keep (not degenerate,
-dedupe.py), and the share of kept ones nearest each MT-bench category; then two examples
-each. The headline is the mean share of a kind's requests nearest its own category,
-against the template's default header's (no opening) share of that category, printed
-last as `steered_share=<value>`, with the difference's 95% bootstrap interval (requests
-resampled within each kind).
+Prints, per kind: the requests written, those the data stage would keep (neither
+degenerate nor a duplicate of one kept before it, dedupe.py; the mix's kinds share one
+stage), the duplicates among them, and the share of kept ones nearest each MT-bench
+category; then two examples each. The headline is the mean share of a kind's requests
+nearest its own category, against the template's default header's (no opening) share of
+that category, printed last as `steered_share=<value>`, with the difference's 95%
+bootstrap interval (requests resampled within each kind).
 
     python bench/self_prompt_mix.py [--lever headers|openings] [--per-prompt 16]
         [--config configs/smollm2-scale.toml]
@@ -30,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eagletrain.config import load_config
-from eagletrain.data.dedupe import degenerate
+from eagletrain.data.dedupe import Deduplicator, degenerate
 from eagletrain.data.self_prompts import local_writer
 from eagletrain.embedded import embedded_file
 from eagletrain.target import load_target, load_tokenizer, pick_device, resolve_target, target_eos
@@ -124,27 +125,40 @@ def main() -> None:
     for i, category in enumerate(kinds):
         by_kind[category] = written[i :: len(kinds)]
 
+    def least(name: str | None) -> int:  # min_words of the target's own, as the stage counts
+        opening = kinds[name] if args.lever == "openings" and name else ""
+        return cfg.min_words + len(opening.split())
+
+    # each request's fate as the stage decides it: degenerate, else a duplicate of one kept
+    # before it (the mix's kinds share one stage, in slot order), else kept (None)
+    fates: dict[str | None, list[str | None]] = {name: [] for name in names}
+    alone_seen, mixed_seen = Deduplicator(cfg.near_duplicate), Deduplicator(cfg.near_duplicate)
+    for text, _, ok in by_kind[None]:
+        fates[None].append(degenerate(text, ok, least(None)) or alone_seen.duplicate(text))
+    for slot, (text, _, ok) in enumerate(written):
+        name = list(kinds)[slot % len(kinds)]
+        fates[name].append(degenerate(text, ok, least(name)) or mixed_seen.duplicate(text))
+
     reference = mtbench()
     categories = sorted({c for c, _ in reference})
     assert set(kinds) <= set(categories), sorted(set(kinds) - set(categories))
     ref_vectors = embed(model, tokenizer, [t for _, t in reference])
     table = Table(title=f"requests SmolLM2 writes per kind ({args.lever}, {args.per_prompt} each)")
-    for col in ("kind", "written", "kept", *categories):
+    for col in ("kind", "written", "kept", "duplicates", *categories):
         table.add_column(col, justify="right")
     labels: dict[str | None, list[str]] = {}  # each kept request's nearest category
     examples: dict[str | None, list[str]] = {}
     for name in names:
         texts = [text for text, _, _ in by_kind[name]]
-        opening = kinds[name] if args.lever == "openings" and name else ""
-        least = cfg.min_words + len(opening.split())  # the target's own words, as the stage
-        kept = [t for t, _, ok in by_kind[name] if not degenerate(t, ok, least)]
+        kept = [t for (t, _, _), fate in zip(by_kind[name], fates[name], strict=True) if not fate]
+        duplicates = sum(1 for fate in fates[name] if fate and fate.endswith("duplicate"))
         labels[name] = []
         if kept:
             sims = embed(model, tokenizer, kept) @ ref_vectors.T
             labels[name] = [reference[int(j)][0] for j in sims.argmax(1)]
         examples[name] = kept[:2]
         label = "(template default)" if name is None else f"{name}: {kinds[name][:40]}"
-        table.add_row(label, str(len(texts)), str(len(kept)),
+        table.add_row(label, str(len(texts)), str(len(kept)), str(duplicates),
                       *(f"{share(labels[name], c):.0%}" for c in categories))  # fmt: skip
     Console(width=200).print(table)
     for name, texts in examples.items():
