@@ -125,19 +125,18 @@ def main() -> None:
     for i, category in enumerate(kinds):
         by_kind[category] = written[i :: len(kinds)]
 
-    def least(name: str | None) -> int:  # min_words of the target's own, as the stage counts
-        opening = kinds[name] if args.lever == "openings" and name else ""
-        return cfg.min_words + len(opening.split())
-
     # each request's fate as the stage decides it: degenerate, else a duplicate of one kept
     # before it (the mix's kinds share one stage, in slot order), else kept (None)
     fates: dict[str | None, list[str | None]] = {name: [] for name in names}
     alone_seen, mixed_seen = Deduplicator(cfg.near_duplicate), Deduplicator(cfg.near_duplicate)
-    for text, _, ok in by_kind[None]:
-        fates[None].append(degenerate(text, ok, least(None)) or alone_seen.duplicate(text))
+    for slot, (text, _, ok) in enumerate(by_kind[None]):
+        least = alone.data.prompts.min_words_of(slot)
+        fates[None].append(degenerate(text, ok, least) or alone_seen.duplicate(text))
     for slot, (text, _, ok) in enumerate(written):
-        name = list(kinds)[slot % len(kinds)]
-        fates[name].append(degenerate(text, ok, least(name)) or mixed_seen.duplicate(text))
+        least = mixed.data.prompts.min_words_of(slot)
+        fates[names[1 + slot % len(kinds)]].append(
+            degenerate(text, ok, least) or mixed_seen.duplicate(text)
+        )
 
     reference = mtbench()
     categories = sorted({c for c, _ in reference})

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_drafter import tiny_drafter
 
-from eagletrain.drafter import Eagle3Drafter, drafter_config
+from eagletrain.drafter import with_wider_mlp
 from eagletrain.export import ExportError, load_exported, write_format
 from eagletrain.train.ttt import shift
 
@@ -112,18 +112,8 @@ def test_missing_layer_ids_are_refused_not_defaulted(tmp_path):
 def test_a_wider_mlp_exports_and_loads_as_the_same_function(tmp_path, fmt):
     """train.draft_intermediate_size: the export carries the width, and a drafter widened
     with zero units (the same function) loads back computing what the narrow one does."""
-    from test_drafter import tiny_llama_config
-
-    narrow, embed = tiny_drafter()
-    wide = Eagle3Drafter(drafter_config(tiny_llama_config(), 20, [1, 3, 4], intermediate_size=96))
-    wide = wide.double()
-    state = {k: v.clone() for k, v in narrow.state_dict().items()}
-    for name in ("gate_proj", "up_proj"):  # rows 64-95 zero: act(0) * 0 = 0
-        key = f"midlayer.mlp.{name}.weight"
-        state[key] = torch.cat([state[key], torch.zeros(32, 32, dtype=torch.float64)])
-    key = "midlayer.mlp.down_proj.weight"
-    state[key] = torch.cat([state[key], torch.zeros(32, 32, dtype=torch.float64)], dim=1)
-    wide.load_state_dict(state)
+    narrow, embed = tiny_drafter()  # 64 MLP units
+    wide = with_wider_mlp(narrow, 96)
     write_format(wide, tmp_path, fmt, "target")
     config = json.loads((tmp_path / "config.json").read_text())
     layer = config.get("transformer_layer_config", config)

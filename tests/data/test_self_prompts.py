@@ -160,6 +160,7 @@ def test_both_system_prompt_settings_or_an_empty_one_are_refused():
     mix = SelfPromptConfig(system_prompts=["a", "b", "c"], openings=["Write ", "Solve"])
     assert [mix.system_prompt_of(s) for s in range(5)] == ["a", "b", "c", "a", "b"]
     assert [mix.opening_of(s) for s in range(3)] == ["Write", "Solve", "Write"]
+    assert mix.kinds == 6 and [mix.min_words_of(s) for s in range(2)] == [4, 4]
     assert SelfPromptConfig().opening_of(4) == ""
 
 

@@ -87,10 +87,9 @@ def local_writer(model: torch.nn.Module, tokenizer: Any, config: Config, eos: se
 
     cfg, seed = config.data.prompts, config.run.seed
     prefix_text = slot_prefix(tokenizer, cfg)
-    kinds = len(cfg.system_prompts or [None]) * len(cfg.openings or [""])
-    # a slot's prefix is its kind's: slot % kinds (kinds cycle together at that period)
-    prefixes = [
-        tokenizer(prefix_text(kind), add_special_tokens=False)["input_ids"] for kind in range(kinds)
+    prefixes = [  # slot s's is prefixes[s % cfg.kinds]
+        tokenizer(prefix_text(kind), add_special_tokens=False)["input_ids"]
+        for kind in range(cfg.kinds)
     ]
     device = next(model.parameters()).device
     decoder = ContinuousDecoder(
@@ -109,7 +108,8 @@ def local_writer(model: torch.nn.Module, tokenizer: Any, config: Config, eos: se
     def write(batch: list[tuple[int, int]]) -> list[tuple[str, int, bool]]:
         torch.manual_seed(batch_seed(seed, *batch[0]))
         requests = [
-            Request(i, prefixes[slot % kinds], cfg.max_tokens) for i, (slot, _) in enumerate(batch)
+            Request(i, prefixes[slot % cfg.kinds], cfg.max_tokens)
+            for i, (slot, _) in enumerate(batch)
         ]
         done = {f.request.id: f for f in decoder.run(take_from(requests))}
         out = []
@@ -194,8 +194,7 @@ def write_prompts(run: Run, make_writer: Callable[[], Writer]) -> None:
             batch = [(i.ord, i.attempts) for i in pending[: cfg.batch_size]]
             rows = []
             for (slot, attempt), (text, tokens, finished) in zip(batch, writer(batch), strict=True):
-                # min_words of the target's own, after the slot's opening
-                least = cfg.min_words + len(cfg.opening_of(slot).split())
+                least = cfg.min_words_of(slot)
                 reason = degenerate(text, finished, least) or dedupe.duplicate(text)
                 rows.append((slot, attempt, text, tokens, reason))
             ledger.save_prompts(STAGE, worker.id, rows, cfg.max_attempts)
