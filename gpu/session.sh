@@ -231,7 +231,7 @@ ablation)
   nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 10 > $OUT/gpu_use.csv &
   smi=$!
   python3 bench/recipe_ablation.py /tmp/q "${args[@]}" --seconds "${ABLATION_S:-480}" \
-    --parallel "${ABLATION_PARALLEL:-0}" --stall-seconds "${STALL_S:-240}" "${SETS[@]}" 2>&1 | grep -v -i "warn" | tee $OUT/ablation.log
+    --parallel "${ABLATION_PARALLEL:-0}" --stall-seconds "${STALL_S:-240}" "${SETS[@]}" 2>&1 | grep --line-buffered -v -i "warn" | tee $OUT/ablation.log
   kill $smi
   sort -t, -k2 -n $OUT/gpu_use.csv | tail -1 | sed 's/^/peak memory sample: /'
   for d in /tmp/q.ablation/*/; do
