@@ -11,19 +11,31 @@ from pathlib import Path
 from typing import Any
 
 
-def figure_for(default_csv: str, default_out: str) -> tuple[argparse.Namespace, Any, Any]:
-    """(arguments, figure, axes): `--csv` and `--out`, and an empty 8 x 4.5 inch plot."""
+def arguments(default_csv: str, default_out: str) -> argparse.Namespace:
+    """`--csv` and `--out`."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--csv", type=Path, default=Path(default_csv))
     parser.add_argument("--out", type=Path, default=Path(default_out))
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def blank_figure(panels: int = 1) -> tuple[Any, Any]:
+    """(figure, axes): an empty 8 x 4.5 inch plot, or `panels` plots side by side sharing
+    the y axis (axes then a list)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    return args, fig, ax
+    if panels == 1:
+        return plt.subplots(figsize=(8, 4.5))
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), sharey=True)
+    return fig, list(axes)
+
+
+def figure_for(default_csv: str, default_out: str) -> tuple[argparse.Namespace, Any, Any]:
+    """(arguments, figure, axes): `--csv` and `--out`, and an empty 8 x 4.5 inch plot."""
+    return arguments(default_csv, default_out), *blank_figure()
 
 
 def grouped_rows(path: Path, line: Callable[[dict[str, str]], str]) -> dict[str, list[dict]]:
@@ -36,8 +48,10 @@ def grouped_rows(path: Path, line: Callable[[dict[str, str]], str]) -> dict[str,
 
 
 def save(fig: Any, ax: Any, out: Path, dpi: int) -> None:
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    """Grid and legend on each of the axes (one, or a list), then the PNG."""
+    for each in ax if isinstance(ax, list) else [ax]:
+        each.grid(alpha=0.3)
+        each.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=dpi)
     print(f"wrote {out}")
