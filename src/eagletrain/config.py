@@ -231,6 +231,9 @@ class TrainConfig(Section):
     # read from the export's config like any Llama layer's
     draft_intermediate_size: int | None = Field(None, ge=1)
     ttt_steps: int = Field(7, ge=1)
+    # the distribution each step learns: the target's softmax at this temperature (1: its
+    # own; 0: one-hot on its argmax, the token greedy decoding accepts)
+    target_temperature: float = Field(1.0, ge=0.0)
     step_weight_decay: float = Field(0.8, gt=0.0)
     epochs: int = Field(1, ge=1)
     # samples per step, or packed rows per step when pack_length is set

@@ -47,7 +47,11 @@ def reference(drafter, embed, head, aux, last, ids, loss_mask, steps, weights):
                 if not counted:
                     chain = False
                     continue
-                p = torch.softmax(logits[draft_ids], dim=0)
+                p = torch.zeros(len(draft_ids), dtype=logits.dtype)
+                if head.temperature == 0:  # all mass on the target's argmax
+                    p[int(logits[draft_ids].argmax())] = 1.0
+                else:
+                    p = torch.softmax(logits[draft_ids] / head.temperature, dim=0)
                 q = torch.log_softmax(drafter.logits(out)[0, 0], dim=0)
                 correct = int(q.argmax()) == int(p.argmax())
                 sums[k][0] += float(-(p * q).sum())
@@ -63,7 +67,9 @@ def reference(drafter, embed, head, aux, last, ids, loss_mask, steps, weights):
     return loss, step_loss, acc, cond
 
 
-def test_ttt_loss_and_metrics_equal_the_slow_reference():
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 0.0])
+def test_ttt_loss_and_metrics_equal_the_slow_reference(temperature: float):
+    """At the target's own distribution, a sharpened one, and its argmax alone."""
     drafter, embed = tiny_drafter(seed=4)
     torch.manual_seed(5)
     b, t, steps = 2, 10, 3
@@ -74,7 +80,10 @@ def test_ttt_loss_and_metrics_equal_the_slow_reference():
     loss_mask[1, 8:] = False  # padding at the end of the second sample
     # a head whose argmax is often in the draft vocab (even ids) and sometimes not
     head = TargetHead(
-        torch.rand(32, dtype=torch.float64) + 0.5, 1e-6, torch.randn(50, 32, dtype=torch.float64)
+        torch.rand(32, dtype=torch.float64) + 0.5,
+        1e-6,
+        torch.randn(50, 32, dtype=torch.float64),
+        temperature,
     )
     p, in_vocab = head.distribution(last, drafter.target_ids(), drafter.t2d)
     assert 0 < int(in_vocab.sum()) < in_vocab.numel()

@@ -210,7 +210,10 @@ def build(
     # the frozen target head in the dtype its matmul runs in (bf16 on CUDA, ttt.py)
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head = TargetHead(
-        head.norm_weight.to(device), head.norm_eps, head.lm_head.to(device, head_dtype)
+        head.norm_weight.to(device),
+        head.norm_eps,
+        head.lm_head.to(device, head_dtype),
+        tc.target_temperature,
     )
     # a step's batch is tc.batch_size samples, or packed rows of tc.pack_length tokens
     train = Batcher(train_data, tc.pack_length)

@@ -1,5 +1,6 @@
 """Training-time test: unroll the drafter K steps on its own outputs and score each step
-against the target's distribution (forward KL / soft cross-entropy over the draft vocab).
+against the target's distribution (forward KL / soft cross-entropy over the draft vocab;
+`train.target_temperature` sharpens it, down to the argmax alone).
 
 Index convention, for a sequence x with target features f: at index i, step k feeds token
 x[i+1+k] and predicts x[i+2+k]; its target distribution is the target's logits at index
@@ -26,16 +27,20 @@ from eagletrain.train.head_loss import head_loss
 
 @dataclass
 class TargetHead:
-    """The target's frozen final norm and lm_head, for target logits from stored states."""
+    """The target's frozen final norm and lm_head, for target logits from stored states.
+    `temperature` shapes the distribution the drafter learns: 1 the target's own, below 1
+    sharper, 0 all mass on the target's argmax (what greedy decoding accepts)."""
 
     norm_weight: torch.Tensor
     norm_eps: float
     lm_head: torch.Tensor  # [V, H]
+    temperature: float = 1.0
 
     def distribution(
         self, last: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(softmax over the draft vocab [B,T,Vd], target argmax in draft vocab [B,T]),
+        """(the training target over the draft vocab [B,T,Vd]: the softmax at
+        `temperature`; whether the target's argmax is in the draft vocab [B,T]),
         chunked over tokens so full-vocab logits never exist for the whole batch at once.
         On CUDA the lm_head matmul runs in bf16, as the target computes its own logits when
         served (a float32 GEMM here took a third of an 8B-shaped training step); the norm
@@ -55,8 +60,15 @@ class TargetHead:
             x = (x * self.norm_weight.float()).to(matmul_dtype)
             logits = (x @ weight.T).float()
             in_vocab.append(t2d[logits.argmax(-1)])
-            probs.append(torch.softmax(logits[:, draft_ids], dim=-1))
+            probs.append(self._shaped(logits[:, draft_ids]))
         return (torch.cat(probs).view(b, t, -1), torch.cat(in_vocab).view(b, t))
+
+    def _shaped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The training target over the draft vocab at `temperature`."""
+        if self.temperature == 0:
+            one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1])
+            return one_hot.to(logits.dtype)
+        return torch.softmax(logits / self.temperature, dim=-1)
 
 
 def shift(x: torch.Tensor, by: int) -> torch.Tensor:
