@@ -108,7 +108,10 @@ def train_all(
     variants: list[Variant], base: list[str], seconds: float, parallel: int, stall: float
 ) -> list[Variant]:
     """Each variant until its training ends or `seconds` after its start (then SIGINT);
-    one with no step logged `stall` seconds after its start is stopped. Returns those."""
+    one with no step logged `stall` seconds after its start is stopped. Returns those.
+    Trainers due together are signalled together and share one grace period: stopped one
+    after another, each waited for in turn, the last ones trained on past their time and
+    the whole ablation overran a device call's limit (2026-12-07)."""
     waiting, running, stalled = list(variants), [], []
     threads = max(1, (os.cpu_count() or 1) // parallel)
     while waiting or running:
@@ -117,27 +120,36 @@ def train_all(
             port = 29700 + variants.index(variant)
             proc = launch(variant, base, port, threads)
             running.append((variant, proc, time.monotonic()))
+        stopping = []
         for entry in list(running):
             variant, proc, started = entry
             age = time.monotonic() - started
             if proc.poll() is not None:
                 running.remove(entry)
-                continue
-            if age > stall and variant not in stalled and not steps_logged(variant):
+            elif age > stall and variant not in stalled and not steps_logged(variant):
                 stalled.append(variant)
                 dump_and_stop(variant, proc)
+                stopping.append(entry)
             elif age > seconds:
                 proc.send_signal(signal.SIGINT)
-            else:
-                continue
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                stopping.append(entry)
+        _wait_or_kill([proc for _, proc, _ in stopping], grace=60.0)
+        for entry in stopping:
             running.remove(entry)
         time.sleep(1)
     return stalled
+
+
+def _wait_or_kill(procs: list[subprocess.Popen], grace: float) -> None:
+    """Wait for signalled trainers to save and exit, all within one `grace` period; kill
+    those still running after it."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def figures(variant: Variant) -> dict:
