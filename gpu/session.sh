@@ -77,6 +77,9 @@ SETS=(--set target.model="$M" --set data.source="${DATA_SOURCE:-/tmp/c/$DATA_FIL
 # EXTRA_SETS: more overrides (a dry run on a CPU: smaller, float32)
 read -r -a EXTRA <<< "${EXTRA_SETS:-}"
 SETS+=("${EXTRA[@]}")
+# OPENINGS: data.prompts.openings as one TOML list (its strings hold spaces, which
+# EXTRA_SETS splits on): '["Write a short story", "In physics, explain"]'
+[ -n "${OPENINGS:-}" ] && SETS+=(--set "data.prompts.openings=${OPENINGS}")
 CFG=${CFG:-configs/smollm2-h200.toml}
 # a trainer on the run copy $1 (process $2): waited for until its third step is logged
 # (every graph of a step compiled) or it exits, then stopped ($3 s between INT and KILL)
