@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,32 +19,37 @@ def arguments(default_csv: str, default_out: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def blank_figure(panels: int = 1) -> tuple[Any, Any]:
-    """(figure, axes): an empty 8 x 4.5 inch plot, or `panels` plots side by side sharing
-    the y axis (axes then a list)."""
+def blank_figure(panels: int = 1) -> tuple[Any, list[Any]]:
+    """(figure, axes): `panels` empty plots side by side sharing the y axis (one: 8 x 4.5
+    inches)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if panels == 1:
-        return plt.subplots(figsize=(8, 4.5))
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), sharey=True)
-    return fig, list(axes)
+    size = (8, 4.5) if panels == 1 else (6 * panels, 4.5)
+    fig, axes = plt.subplots(1, panels, figsize=size, sharey=True, squeeze=False)
+    return fig, list(axes[0])
 
 
 def figure_for(default_csv: str, default_out: str) -> tuple[argparse.Namespace, Any, Any]:
     """(arguments, figure, axes): `--csv` and `--out`, and an empty 8 x 4.5 inch plot."""
-    return arguments(default_csv, default_out), *blank_figure()
+    fig, (ax,) = blank_figure()
+    return arguments(default_csv, default_out), fig, ax
+
+
+def grouped(rows: Iterable[dict], key: Callable[[dict], str]) -> dict[str, list[dict]]:
+    """The rows by `key`, each group in the rows' order."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[key(row)].append(row)
+    return groups
 
 
 def grouped_rows(path: Path, line: Callable[[dict[str, str]], str]) -> dict[str, list[dict]]:
     """The CSV's rows by the name of the line each belongs to, in file order."""
-    lines: dict[str, list[dict[str, str]]] = defaultdict(list)
     with path.open() as f:
-        for row in csv.DictReader(f):
-            lines[line(row)].append(row)
-    return lines
+        return grouped(csv.DictReader(f), line)
 
 
 def save(fig: Any, ax: Any, out: Path, dpi: int) -> None:

@@ -8,18 +8,15 @@ card and commit).
 
 from __future__ import annotations
 
-from csv_figure import arguments, blank_figure, grouped_rows, save
+from csv_figure import arguments, blank_figure, grouped, grouped_rows, save
 
 
 def main() -> None:
     args = arguments("docs/recipe-ablation.csv", "docs/recipe-ablation.png")
     ablations = grouped_rows(args.csv, lambda row: row["commit"])
     fig, axes = blank_figure(panels=len(ablations))
-    axes = axes if isinstance(axes, list) else [axes]
     for ax, (commit, rows) in zip(axes, ablations.items(), strict=True):
-        lines: dict[str, list[dict]] = {}
-        for row in rows:
-            lines.setdefault(f"{row['variant']}: {row['overrides']}", []).append(row)
+        lines = grouped(rows, lambda row: f"{row['variant']}: {row['overrides']}")
         for name, points in lines.items():
             points.sort(key=lambda r: int(r["step"]))
             x = [int(r["step"]) for r in points]

@@ -47,8 +47,8 @@ def reference(drafter, embed, head, aux, last, ids, loss_mask, steps, weights):
                 if not counted:
                     chain = False
                     continue
-                p = torch.zeros(len(draft_ids), dtype=logits.dtype)
                 if head.temperature == 0:  # all mass on the target's argmax
+                    p = torch.zeros(len(draft_ids), dtype=logits.dtype)
                     p[int(logits[draft_ids].argmax())] = 1.0
                 else:
                     p = torch.softmax(logits[draft_ids] / head.temperature, dim=0)
