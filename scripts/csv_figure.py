@@ -52,11 +52,12 @@ def grouped_rows(path: Path, line: Callable[[dict[str, str]], str]) -> dict[str,
         return grouped(csv.DictReader(f), line)
 
 
-def save(fig: Any, ax: Any, out: Path, dpi: int) -> None:
-    """Grid and legend on each of the axes (one, or a list), then the PNG."""
+def save(fig: Any, ax: Any, out: Path, dpi: int, legend_at: str = "best") -> None:
+    """Grid and legend (at `legend_at`, a matplotlib location) on each of the axes (one, or
+    a list), then the PNG."""
     for each in ax if isinstance(ax, list) else [ax]:
         each.grid(alpha=0.3)
-        each.legend(fontsize=8)
+        each.legend(fontsize=8, loc=legend_at)
     fig.tight_layout()
     fig.savefig(out, dpi=dpi)
     print(f"wrote {out}")

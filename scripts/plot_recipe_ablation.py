@@ -10,13 +10,27 @@ from __future__ import annotations
 
 from csv_figure import arguments, blank_figure, grouped, grouped_rows, save
 
+# the train keys the legend abbreviates, so that a variant of several fits a panel
+SHORT_KEYS = {
+    "train.": "",
+    "draft_intermediate_size": "mlp",
+    "target_temperature": "T",
+    "ttt_steps": "ttt",
+}
+
+
+def short(overrides: str) -> str:
+    for key, abbreviation in SHORT_KEYS.items():
+        overrides = overrides.replace(key, abbreviation)
+    return overrides
+
 
 def main() -> None:
     args = arguments("docs/recipe-ablation.csv", "docs/recipe-ablation.png")
     ablations = grouped_rows(args.csv, lambda row: row["commit"])
     fig, axes = blank_figure(panels=len(ablations))
     for ax, (commit, rows) in zip(axes, ablations.items(), strict=True):
-        lines = grouped(rows, lambda row: f"{row['variant']}: {row['overrides']}")
+        lines = grouped(rows, lambda row: f"{row['variant']}: {short(row['overrides'])}")
         for name, points in lines.items():
             points.sort(key=lambda r: int(r["step"]))
             x = [int(r["step"]) for r in points]
@@ -30,7 +44,7 @@ def main() -> None:
         ax.set_title(f"{first['heldout_samples']} held out; {first['card']}; {commit}", fontsize=9)
     axes[0].set_ylabel("held-out chain-3 tau, replayed")
     fig.suptitle("recipe ablations on the kept 15,704 conversations, 2 epochs", fontsize=10)
-    save(fig, axes, args.out, dpi=110)
+    save(fig, axes, args.out, dpi=110, legend_at="lower right")  # below the rising lines
 
 
 if __name__ == "__main__":
