@@ -22,10 +22,11 @@ def _prepare(config: Path, run: Path) -> None:
 
 
 def _straight_and_other(config: Path, tmp_path: Path, overrides: list[str], other: str):
-    """Two prepared runs: `straight` trained without interruption, `other` not yet."""
+    """Two prepared runs: `straight` trained without interruption, `other` not yet (a copy
+    of the prepared one: a run directory is relocatable)."""
     runs = tmp_path / "straight", tmp_path / other
-    for run in runs:
-        _prepare(config, run)
+    _prepare(config, runs[0])
+    shutil.copytree(runs[0], runs[1])
     assert eagletrain("train", config, "--run-dir", runs[0], *overrides).returncode == 0
     return runs
 
