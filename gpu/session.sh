@@ -41,7 +41,8 @@
 #                 trained: .carry/r): ABLATION, ';'-separated NAME:key=value ... variants
 #                 of the train section, trained side by side (ABLATION_PARALLEL at a
 #                 time; default all) for ABLATION_S seconds each (a later call resumes
-#                 them), each judged by its held-out evaluations
+#                 them), each judged by its held-out evaluations; ABLATION_EXPORT=NAME,...
+#                 exports those variants and brings their drafters back in pieces
 #   PHASE=decode  bench/decode.py on ENGINES (default compiled,eager): MT-bench, HumanEval
 #                 and held-out at T=0 and 1, chain 3 and tree, each speedup against plain
 #                 decoding on the same engine; the JSON results come back as one tgz
@@ -240,7 +241,20 @@ ablation)
   for d in /tmp/q.ablation/*/; do
     gzip -c "$d/train/metrics.jsonl" > "$OUT/metrics-$(basename "$d").jsonl.gz"
     gzip -c "$d/train/heldout_rows.jsonl" > "$OUT/heldout_rows-$(basename "$d").jsonl.gz"
-  done ;;
+  done
+  # ABLATION_EXPORT: variants (comma-separated) to export once trained, each with its own
+  # resolved config, so that they can be served on the CPU (bench/decode.py): their SGLang
+  # folders come back as export-NAME.tgz.* pieces, past the fourth with PHASE=fetch
+  if [ -n "${ABLATION_EXPORT:-}" ]; then
+    rm -rf /tmp/pieces && mkdir -p /tmp/pieces
+    for name in ${ABLATION_EXPORT//,/ }; do
+      d=/tmp/q.ablation/$name
+      python3 -m eagletrain export "$d/config.toml" --run-dir "$d" 2>&1 | grep -v "━" | tail -3
+      [ -d "$d/export/sglang" ] && tar -C "$d" -czf - export/sglang | split -b 15M - "/tmp/pieces/export-$name.tgz."
+    done
+    ls /tmp/pieces/* 2>/dev/null | head -4 | xargs -r -I{} mv {} $OUT/
+    ls /tmp/pieces
+  fi ;;
 trainbench)
   # bench/train_online.py on the run's data (a kept data stage: .carry/r): the target's
   # forward padded against packed, the decoder layer compiled, the TTT block masks
