@@ -25,6 +25,17 @@ def short(overrides: str) -> str:
     return overrides
 
 
+def shared_card(cards: list[str]) -> str:
+    """The leading comma-separated parts every row's card names ("H100 80GB, bf16" of a
+    panel whose variants ran side by side and alone)."""
+    shared = []
+    for parts in zip(*(card.split(", ") for card in cards), strict=False):
+        if len(set(parts)) > 1:
+            break
+        shared.append(parts[0])
+    return ", ".join(shared)
+
+
 def main() -> None:
     args = arguments("docs/recipe-ablation.csv", "docs/recipe-ablation.png")
     ablations = grouped_rows(args.csv, lambda row: row["commit"])
@@ -41,7 +52,8 @@ def main() -> None:
         first = rows[0]
         ax.set_xlim(right=ax.get_xlim()[1] * 1.1)  # room for the last labels
         ax.set_xlabel("optimizer step (668 a epoch)")
-        ax.set_title(f"{first['heldout_samples']} held out; {first['card']}; {commit}", fontsize=9)
+        card = shared_card([row["card"] for row in rows])
+        ax.set_title(f"{first['heldout_samples']} held out; {card}; {commit}", fontsize=9)
     axes[0].set_ylabel("held-out chain-3 tau, replayed")
     fig.suptitle("recipe ablations on the kept 15,704 conversations, 2 epochs", fontsize=10)
     save(fig, axes, args.out, dpi=110, legend_at="lower right")  # below the rising lines
