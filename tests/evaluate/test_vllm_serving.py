@@ -18,6 +18,7 @@ import json
 import shutil
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,17 @@ def target() -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(python, target, demo, tmp_path_factory) -> Iterator[dict[str, tuple[str, Path]]]:
+def in_process_evaluation(demo) -> Iterator[Future]:
+    """eagletrain's own evaluation of the demo, begun in the background before the servers
+    start: their start keeps one of this machine's two cores idle for over a minute."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(evaluated, *demo, "in-process")
+
+
+@pytest.fixture(scope="module")
+def servers(
+    python, target, demo, in_process_evaluation, tmp_path_factory
+) -> Iterator[dict[str, tuple[str, Path]]]:
     """name ("plain" or a format) -> (base URL, log): the target alone and with each
     export, started together and stopped after the module."""
     _, run = demo
@@ -116,8 +127,8 @@ def evaluated(config: Path, run: Path, name: str, *overrides: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def in_process(demo) -> dict:
-    return evaluated(*demo, "in-process")
+def in_process(in_process_evaluation) -> dict:
+    return in_process_evaluation.result()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
