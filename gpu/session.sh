@@ -91,6 +91,17 @@ stop_after_three_steps() {
   done
   pkill -INT -f "run-dir $1"; sleep "$3"; pkill -KILL -f "run-dir $1"
 }
+# the SGLang export of run directory $1 as pieces $2.tgz.* in /tmp/pieces, under the 16 MiB
+# a file that come back
+pack_export() {
+  mkdir -p /tmp/pieces
+  [ -d "$1/export/sglang" ] && tar -C "$1" -czf - export/sglang | split -b 15M - "/tmp/pieces/$2.tgz."
+}
+# the first four waiting pieces to $OUT (a call brings back 64 MB); the rest wait for PHASE=fetch
+send_pieces() {
+  ls /tmp/pieces/* 2>/dev/null | head -4 | xargs -r -I{} mv {} $OUT/
+  ls /tmp/pieces
+}
 ledger_times() {
   python3 -m eagletrain status /tmp/q | tee -a $OUT/$1
   python3 - <<'PY' | tee -a $OUT/$1
@@ -208,10 +219,9 @@ train)
   # the exported drafter in SGLang's format, in pieces under the 16 MiB a file that come
   # back; a call brings back 64 MB, so pieces past the fourth wait for PHASE=fetch
   if [ -d /tmp/q/export/sglang ]; then
-    rm -rf /tmp/pieces && mkdir -p /tmp/pieces
-    tar -C /tmp/q -czf - export/sglang | split -b 15M - /tmp/pieces/export_sglang.tgz.
-    ls /tmp/pieces/* | head -4 | xargs -I{} mv {} $OUT/
-    ls /tmp/pieces | tee -a $OUT/train.log
+    rm -rf /tmp/pieces
+    pack_export /tmp/q export_sglang
+    send_pieces | tee -a $OUT/train.log
   fi ;;
 firststep)
   # the trainer's cold start on a copy of the run (--allow-partial, a part-way data stage
@@ -227,7 +237,7 @@ firststep)
   rm -rf /tmp/qfirst ;;
 fetch)
   # what an earlier call left waiting in /tmp/pieces (over one call's 64 MB)
-  ls /tmp/pieces/* | head -4 | xargs -I{} mv {} $OUT/ ;;
+  send_pieces ;;
 ablation)
   IFS=';' read -r -a specs <<< "${ABLATION:?set ABLATION, e.g. base:;ttt3:train.ttt_steps=3}"
   args=(); for v in "${specs[@]}"; do args+=(--variant "$v"); done
@@ -246,14 +256,13 @@ ablation)
   # resolved config, so that they can be served on the CPU (bench/decode.py): their SGLang
   # folders come back as export-NAME.tgz.* pieces, past the fourth with PHASE=fetch
   if [ -n "${ABLATION_EXPORT:-}" ]; then
-    rm -rf /tmp/pieces && mkdir -p /tmp/pieces
+    rm -rf /tmp/pieces
     for name in ${ABLATION_EXPORT//,/ }; do
       d=/tmp/q.ablation/$name
       python3 -m eagletrain export "$d/config.toml" --run-dir "$d" 2>&1 | grep -v "━" | tail -3
-      [ -d "$d/export/sglang" ] && tar -C "$d" -czf - export/sglang | split -b 15M - "/tmp/pieces/export-$name.tgz."
+      pack_export "$d" "export-$name"
     done
-    ls /tmp/pieces/* 2>/dev/null | head -4 | xargs -r -I{} mv {} $OUT/
-    ls /tmp/pieces
+    send_pieces
   fi ;;
 trainbench)
   # bench/train_online.py on the run's data (a kept data stage: .carry/r): the target's
